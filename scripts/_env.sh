@@ -1,0 +1,46 @@
+# Sourced by scripts/test and scripts/demo: create or reuse .venv and install
+# tierkv into it. Needs only a Python >= 3.11 on PATH.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${TIERKV_VENV:-$ROOT/.venv}"
+
+pick_python() {
+    for py in "${PYTHON:-}" python3.11 python3.12 python3.13 python3; do
+        [ -n "$py" ] || continue
+        if command -v "$py" >/dev/null 2>&1 &&
+            "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "$py"; return 0
+        fi
+    done
+    echo "tierkv needs Python >= 3.11 on PATH (or PYTHON=/path/to/python)" >&2
+    return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    py="$(pick_python)"
+    echo "[setup] creating $VENV with $py" >&2
+    "$py" -m venv "$VENV"
+fi
+
+# Reinstall only when the project's declared dependencies change.
+stamp="$VENV/.tierkv-installed"
+want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            echo "[setup] GPU found: installing torch (CUDA build)" >&2
+            "${pip[@]}" "torch>=2.1"
+        else
+            # No GPU: the CPU build. 2.13.0 is the build these machines keep on
+            # disk; a bare `torch` would pull several GB of CUDA libraries.
+            echo "[setup] no GPU: installing torch 2.13.0 (CPU build)" >&2
+            "${pip[@]}" "torch==2.13.0" ||
+                "${pip[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+        fi
+    fi
+    echo "[setup] installing tierkv and its dev extra into $VENV" >&2
+    "${pip[@]}" -e "$ROOT[dev]"
+    echo "$want" >"$stamp"
+fi
+export PATH="$VENV/bin:$PATH"

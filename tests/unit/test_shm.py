@@ -1,0 +1,191 @@
+"""SharedRegion: real POSIX shared memory, shared by real processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from tierkv.shm import (
+    ALIGN,
+    RegionError,
+    RegionInUseError,
+    RegionLayout,
+    SharedRegion,
+    region_name,
+    sweep_stale_regions,
+)
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+def test_layout_rows_are_4k_aligned(instance):
+    with SharedRegion.create(instance, num_blocks=3, page_size=1000, world_size=3) as region:
+        assert region.layout.row_stride % ALIGN == 0
+        assert region.layout.row_stride >= 3000
+        assert len(region.row(2)) == region.layout.row_stride
+        assert len(region.page(2, rank=2)) == 1000
+        assert region.numpy().shape == (3, region.layout.row_stride)
+        assert region.numpy_pages(1).shape == (3, 1000)
+
+
+def test_created_exclusive_and_owner_only(instance):
+    with SharedRegion.create(instance, 4, 4096):
+        mode = os.stat(f"/dev/shm{region_name(instance)}").st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        with pytest.raises(RegionInUseError, match="already running"):
+            SharedRegion.create(instance, 4, 4096)
+
+
+def test_views_are_zero_copy(instance):
+    with SharedRegion.create(instance, 4, 4096, world_size=2) as region:
+        region.page(1, rank=1)[:4] = b"abcd"
+        assert bytes(region.numpy_page(1, 1)[:4]) == b"abcd"
+        t = region.torch()
+        t[1, 4096 + 4] = ord("e")
+        assert bytes(region.page(1, 1)[:5]) == b"abcde"
+        region.numpy_row(3)[:] = 7
+        assert region.torch_row(3).sum().item() == 7 * region.layout.row_stride
+        region.torch_page(0, 1)[:2] = 9
+        assert bytes(region.page(0, 1)[:2]) == b"\x09\x09"
+        del t
+
+
+def test_page_written_by_one_process_is_read_by_another(instance):
+    with SharedRegion.create(instance, 8, 64 * 1024, world_size=2) as region:
+        writer = run_python(f"""
+            import numpy as np
+            from tierkv.shm import SharedRegion
+            r = SharedRegion.attach({instance!r})
+            rng = np.random.default_rng(5)
+            r.numpy_page(5, 1)[:] = rng.integers(0, 256, r.layout.page_size, dtype=np.uint8)
+            r.close()
+        """)
+        assert writer.returncode == 0, writer.stderr
+        expected = np.random.default_rng(5).integers(0, 256, 64 * 1024, dtype=np.uint8)
+        assert np.array_equal(region.numpy_page(5, 1), expected)
+        # And back: the parent writes, a child checks.
+        region.numpy_page(2, 0)[:] = 0xAB
+        reader = run_python(f"""
+            from tierkv.shm import SharedRegion
+            r = SharedRegion.attach({instance!r})
+            ok = bool((r.numpy_page(2, 0) == 0xAB).all())
+            r.close()
+            raise SystemExit(0 if ok else 3)
+        """)
+        assert reader.returncode == 0, reader.stderr
+
+
+@pytest.mark.parametrize(
+    "field, expect",
+    [("num_blocks", RegionLayout(5, 4096)), ("page_size", RegionLayout(4, 8192)),
+     ("world_size", RegionLayout(4, 4096, 2))],
+)
+def test_attach_names_the_mismatched_field(instance, field, expect):
+    with SharedRegion.create(instance, 4, 4096):
+        with pytest.raises(RegionError, match=f"field {field} is"):
+            SharedRegion.attach(instance, expect=expect)
+
+
+def test_attach_rejects_foreign_segment(instance):
+    shm = posix_ipc.SharedMemory(region_name(instance), posix_ipc.O_CREX, size=8192)
+    shm.close_fd()
+    try:
+        with pytest.raises(RegionError, match="magic"):
+            SharedRegion.attach(instance)
+    finally:
+        posix_ipc.unlink_shared_memory(region_name(instance))
+
+
+def test_attach_missing_says_broker_not_running(instance):
+    with pytest.raises(RegionError, match="does not exist"):
+        SharedRegion.attach(instance)
+
+
+def test_stale_region_of_dead_owner_is_replaced(instance):
+    # A child creates the region and dies without unlinking (SIGKILL-like exit).
+    child = run_python(f"""
+        import os
+        from tierkv.shm import SharedRegion
+        SharedRegion.create({instance!r}, 4, 4096)
+        os._exit(0)
+    """)
+    assert child.returncode == 0, child.stderr
+    assert os.path.exists(f"/dev/shm{region_name(instance)}")
+    with SharedRegion.create(instance, 2, 8192) as region:
+        assert region.layout.num_blocks == 2
+        assert region.layout.page_size == 8192
+
+
+def test_sweep_removes_only_dead_owners(instance):
+    live = SharedRegion.create(instance + "live", 1, 4096)
+    try:
+        child = run_python(f"""
+            import os
+            from tierkv.shm import SharedRegion
+            SharedRegion.create({instance + 'dead'!r}, 1, 4096)
+            os._exit(0)
+        """)
+        assert child.returncode == 0, child.stderr
+        removed = sweep_stale_regions()
+        assert f"tierkv.{instance}dead.cpu" in removed
+        assert os.path.exists(f"/dev/shm{live.name}")
+    finally:
+        live.close()
+        live.unlink()
+
+
+def test_close_and_unlink_are_idempotent(instance):
+    region = SharedRegion.create(instance, 1, 4096)
+    region.close()
+    region.close()
+    region.unlink()
+    region.unlink()
+    assert not os.path.exists(f"/dev/shm{region.name}")
+    with pytest.raises(RegionError, match="closed"):
+        region.row(0)
+
+
+def test_only_creator_unlinks(instance):
+    with SharedRegion.create(instance, 1, 4096):
+        attached = SharedRegion.attach(instance)
+        with pytest.raises(RegionError, match="only the creator"):
+            attached.unlink()
+        attached.close()
+
+
+def test_close_with_live_view_does_not_raise(instance):
+    region = SharedRegion.create(instance, 1, 4096)
+    view = region.numpy()
+    region.close()
+    region.unlink()
+    assert view.shape[0] == 1
+    del view
+
+
+@pytest.mark.parametrize("bad", [dict(num_blocks=0), dict(page_size=-1), dict(world_size=0)])
+def test_bad_layout_is_refused(instance, bad):
+    args = dict(num_blocks=1, page_size=4096, world_size=1) | bad
+    with pytest.raises(RegionError, match=next(iter(bad))):
+        SharedRegion.create(instance, **args)
+
+
+def test_too_large_for_dev_shm(instance):
+    with pytest.raises(RegionError, match="does not fit"):
+        SharedRegion.create(instance, 1 << 40, 1 << 20)
+
+
+def test_bad_instance_name():
+    with pytest.raises(RegionError, match="may not contain"):
+        SharedRegion.create("a/b", 1, 4096)
