@@ -19,9 +19,8 @@ from tierkv.primary import PrimaryTier
 from tierkv.reuse import ReuseFilter
 from tierkv.traces import prefix_hit_ratio, read_trace
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared/data/mooncake-fast25/conversation_trace.jsonl"
-)
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared/data/mooncake-fast25/conversation_trace.jsonl"
 
 
 def key(i: int) -> bytes:

@@ -214,6 +214,16 @@ class SharedRegion:
         start = self._row_offset(block_id)
         return self.data[start : start + self.layout.row_stride]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all ranks: what a secondary tier stores."""
+        return self.layout.page_size * self.layout.world_size
+
+    def block(self, block_id: int) -> memoryview:
+        """Every rank's page of one row, without the row's alignment padding."""
+        start = self._row_offset(block_id)
+        return self.data[start : start + self.block_bytes]
+
     def page(self, block_id: int, rank: int = 0) -> memoryview:
         if not 0 <= rank < self.layout.world_size:
             raise IndexError(f"rank {rank} out of range [0, {self.layout.world_size})")
@@ -237,14 +247,14 @@ class SharedRegion:
         start = rank * self.layout.page_size
         return self.numpy()[:, start : start + self.layout.page_size]
 
-    def torch(self) -> torch.Tensor:
+    def torch_view(self) -> torch.Tensor:
         """uint8 CPU tensor of shape (num_blocks, row_stride), sharing the map."""
         import torch
 
         return torch.from_numpy(self.numpy())
 
     def torch_row(self, block_id: int) -> torch.Tensor:
-        return self.torch()[block_id]
+        return self.torch_view()[block_id]
 
     def torch_page(self, block_id: int, rank: int = 0) -> torch.Tensor:
         import torch
@@ -273,7 +283,9 @@ class SharedRegion:
             try:
                 mm.close()
             except BufferError:
-                log.warning("%s: views still alive at close; unmapped when they are freed", self.name)
+                log.warning(
+                    "%s: views still alive at close; unmapped when they are freed", self.name
+                )
 
     def unlink(self) -> None:
         """Remove the name (owner only). Idempotent; mappings stay valid until closed."""
@@ -368,7 +380,7 @@ def _remove_if_stale(instance: str) -> None:
 
 def sweep_stale_regions(shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink every tierkv region whose owner is dead. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(shm_dir)
     except FileNotFoundError:

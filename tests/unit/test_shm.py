@@ -52,7 +52,7 @@ def test_views_are_zero_copy(instance):
     with SharedRegion.create(instance, 4, 4096, world_size=2) as region:
         region.page(1, rank=1)[:4] = b"abcd"
         assert bytes(region.numpy_page(1, 1)[:4]) == b"abcd"
-        t = region.torch()
+        t = region.torch_view()
         t[1, 4096 + 4] = ord("e")
         assert bytes(region.page(1, 1)[:5]) == b"abcde"
         region.numpy_row(3)[:] = 7

@@ -1,0 +1,446 @@
+"""TieringManager in-process, over real shared memory and MemoryTier."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierkv.errors import ErrorCode
+from tierkv.primary import BlockStateError, PrimaryTier
+from tierkv.shm import SharedRegion
+from tierkv.tiering import Lookup, TieringManager
+from tierkv.tiers.base import Job, JobResult
+from tierkv.tiers.local import LocalTier
+from tierkv.tiers.memory import MemoryBackend, MemoryTier
+
+PAGE = 256
+
+
+def k(*ns: int) -> list[bytes]:
+    return [n.to_bytes(8, "big") for n in ns]
+
+
+def pattern(key: bytes, size: int) -> bytes:
+    out = bytearray()
+    seed = key
+    while len(out) < size:
+        seed = hashlib.blake2b(seed, digest_size=64).digest()
+        out += seed
+    return bytes(out[:size])
+
+
+@pytest.fixture
+def region(instance):
+    with SharedRegion.create(instance, num_blocks=6, page_size=PAGE) as r:
+        yield r
+
+
+class RecordingTier(MemoryTier):
+    """A MemoryTier that remembers the jobs it was given (observation only)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loads: list[Job] = []
+        self.stores: list[Job] = []
+        self.shutdown_at: list[bool] = []
+
+    def submit_load(self, job: Job) -> None:
+        self.loads.append(job)
+        super().submit_load(job)
+
+    def submit_store(self, job: Job) -> None:
+        self.stores.append(job)
+        super().submit_store(job)
+
+
+def manager(region, *tiers, capacity=None, **kw) -> TieringManager:
+    return TieringManager(PrimaryTier(capacity or region.layout.num_blocks), tiers, **kw)
+
+
+def gpu_store(
+    mgr: TieringManager, region: SharedRegion, keys: list[bytes], may_refuse: bool = False
+) -> list[bytes]:
+    out = mgr.prepare_store(keys)
+    if out is None and may_refuse:
+        return []
+    assert out is not None
+    for key, block_id in zip(out.keys_to_store, out.block_ids, strict=True):
+        region.block(block_id)[:] = pattern(key, region.block_bytes)
+    mgr.complete_store(out.keys_to_store)
+    return out.keys_to_store
+
+
+def gpu_load(mgr: TieringManager, region: SharedRegion, keys: list[bytes], req=None) -> list[bytes]:
+    ids = mgr.prepare_load(keys, req_id=req)
+    data = [bytes(region.block(b)) for b in ids]
+    mgr.complete_load(keys)
+    return data
+
+
+def settle(mgr: TieringManager, steps: int = 2) -> None:
+    for _ in range(steps):
+        mgr.step()
+
+
+def test_store_and_lookup_without_secondary_tiers(region):
+    mgr = manager(region)
+    gpu_store(mgr, region, k(1, 2, 3))
+    assert mgr.lookup(k(1, 2, 3, 4, 5)) == Lookup(3, False)
+    assert gpu_load(mgr, region, k(2)) == [pattern(k(2)[0], region.block_bytes)]
+    mgr.step()
+    assert mgr.lookup(k(9)) == Lookup(0, False)
+
+
+def test_cascade_reaches_every_tier(region):
+    a, b = MemoryTier(region, name="a"), MemoryTier(region, name="b")
+    mgr = manager(region, a, b)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    for tier in (a, b):
+        assert tier.holds(k(1)[0]) and tier.holds(k(2)[0])
+        assert tier.backend._blocks[k(1)[0]] == pattern(k(1)[0], region.block_bytes)
+    events = mgr.take_events()
+    assert [(e.kind, e.tier) for e in events] == [
+        ("stored", "cpu"), ("stored", "a"), ("stored", "b")
+    ]
+
+
+def test_cascade_reader_held_until_each_completion_is_applied(region):
+    a, b = MemoryTier(region, name="a"), MemoryTier(region, name="b")
+    mgr = manager(region, a, b)
+    gpu_store(mgr, region, k(1))
+    key = k(1)[0]
+    assert mgr.primary.readers(key) == 2  # one per pending cascade
+    mgr.step()  # step 1: flushed to the tiers, which complete at once
+    assert mgr.primary.readers(key) == 2  # ...but completions are applied next step
+    mgr.step()
+    assert mgr.primary.readers(key) == 0
+
+
+def test_cascade_reader_released_on_failure_too(region):
+    a = MemoryTier(region, capacity_blocks=1, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))  # one job of 2 keys into a 1-block tier: one fails
+    settle(mgr)
+    assert mgr.primary.readers(k(1)[0]) == 0 and mgr.primary.readers(k(2)[0]) == 0
+    assert mgr.stats()["tiering"]["cascade_keys_failed"] == 1
+
+
+def test_failed_store_cascades_nothing(region):
+    a = RecordingTier(region, name="a")
+    mgr = manager(region, a)
+    out = mgr.prepare_store(k(1))
+    mgr.complete_store(out.keys_to_store, success=False)
+    settle(mgr)
+    assert a.stores == [] and not a.holds(k(1)[0])
+
+
+def evict_all(mgr, region, start=100) -> None:
+    """Fill the CPU tier with other keys so earlier ones are evicted."""
+    gpu_store(mgr, region, k(*range(start, start + region.layout.num_blocks)))
+    settle(mgr)
+
+
+def test_promotion_pending_then_hit_with_bytes_equal(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    evict_all(mgr, region)
+    assert mgr.primary.lookup(k(1)) == 0
+    assert mgr.lookup(k(1, 2), req_id="r") == Lookup(0, True)  # step N: promotion starts
+    assert mgr.lookup(k(1, 2), req_id="r") == Lookup(0, True)  # same step: in flight
+    mgr.step()
+    assert mgr.lookup(k(1, 2), req_id="r") == Lookup(2, False)  # step N+1: hit
+    assert gpu_load(mgr, region, k(1, 2), req="r") == [
+        pattern(x, region.block_bytes) for x in k(1, 2)
+    ]
+
+
+def test_promotion_held_in_flight_stays_pending(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a", auto_complete=False)
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1))
+    mgr.step()
+    a.complete_pending()
+    mgr.step()
+    evict_all(mgr, region)
+    a.complete_pending()
+    settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    mgr.step()  # the load is sent; the tier holds it
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    a.complete_pending()  # it finishes mid-step: applied only on the next step's poll
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    mgr.step()
+    assert mgr.lookup(k(1), "r") == Lookup(1, False)
+
+
+def test_partial_lookup(region):
+    mgr = manager(region)
+    gpu_store(mgr, region, k(1, 2, 3))
+    assert mgr.lookup(k(1, 2, 3, 4, 5)).hits == 3
+
+
+def test_scan_stops_at_first_key_no_tier_holds(region):
+    a = RecordingTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 3))
+    settle(mgr)
+    evict_all(mgr, region)
+    # 1 is in the tier, 2 nowhere, 3 in the tier: only 1 is promoted.
+    assert mgr.lookup(k(1, 2, 3), "r") == Lookup(0, True)
+    mgr.step()
+    assert [j.keys for j in a.loads] == [tuple(k(1))]
+
+
+def test_eviction_in_cpu_tier(region):
+    mgr = manager(region)
+    gpu_store(mgr, region, k(*range(6)))
+    gpu_store(mgr, region, k(10))
+    assert mgr.lookup(k(0)).hits == 0
+    assert mgr.stats()["cpu"]["evictions"] == 1
+
+
+def test_touch_reaches_every_tier(region):
+    a = MemoryTier(region, capacity_blocks=2, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    mgr.touch(k(1))  # now 2 is the tier's oldest
+    gpu_store(mgr, region, k(3))
+    settle(mgr)
+    assert a.holds(k(1)[0]) and not a.holds(k(2)[0]) and a.holds(k(3)[0])
+
+
+def test_two_requests_different_keys_two_loads_at_step_end(region):
+    a = RecordingTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2, 3, 4))
+    settle(mgr)
+    evict_all(mgr, region)
+    assert mgr.lookup(k(1, 2), "A").pending and mgr.lookup(k(3, 4), "B").pending
+    assert a.loads == []  # nothing sent before the step ends
+    mgr.step()
+    assert sorted((j.req_id, j.keys) for j in a.loads) == [
+        ("A", tuple(k(1, 2))), ("B", tuple(k(3, 4)))
+    ]
+
+
+def test_two_requests_same_key_one_promotion(region):
+    a = RecordingTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1))
+    settle(mgr)
+    evict_all(mgr, region)
+    assert mgr.lookup(k(1), "A") == Lookup(0, True)
+    assert mgr.lookup(k(1), "B") == Lookup(0, True)
+    mgr.step()
+    assert len(a.loads) == 1 and a.loads[0].keys == tuple(k(1))
+    assert mgr.lookup(k(1), "B") == Lookup(1, False)
+
+
+def test_failed_promotion_becomes_a_miss_without_retry(region):
+    a = RecordingTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1))
+    settle(mgr)
+    evict_all(mgr, region)
+    a.backend.delete(k(1)[0])  # the tier lost it behind the index's back
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(0, False)
+    settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(0, False)
+    assert len(a.loads) == 1
+    assert mgr.primary.free_blocks == 0 or not mgr.primary.contains(k(1)[0])
+    assert mgr.stats()["tiering"]["promotions_failed"] == 1
+    mgr.primary.check_invariants()
+
+
+def test_partial_promotion_keeps_the_keys_that_loaded(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2, 3))
+    settle(mgr)
+    evict_all(mgr, region)
+    a.backend.delete(k(3)[0])
+    assert mgr.lookup(k(1, 2, 3), "r").pending
+    settle(mgr)
+    assert mgr.lookup(k(1, 2, 3), "r") == Lookup(2, False)
+    assert not mgr.primary.contains(k(3)[0])
+
+
+def test_cpu_full_during_promotion_is_a_miss(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1))
+    settle(mgr)
+    evict_all(mgr, region)
+    mgr.prepare_load(k(*range(100, 106)))  # every CPU block has a reader
+    assert mgr.lookup(k(1), "r") == Lookup(0, False)
+    assert mgr.stats()["tiering"]["promotions_refused"] == 1
+
+
+def test_lease_protects_landed_blocks_until_loaded(instance):
+    with SharedRegion.create(instance, num_blocks=2, page_size=PAGE) as region:
+        a = MemoryTier(region, capacity_blocks=64, name="a")
+        mgr = manager(region, a, lease_steps=100)
+        gpu_store(mgr, region, k(1, 2))
+        settle(mgr)
+        gpu_store(mgr, region, k(3, 4))
+        settle(mgr)
+        evict_all(mgr, region)
+        assert mgr.lookup(k(1, 2), "A").pending
+        settle(mgr)  # A's blocks landed and are leased
+        assert mgr.lookup(k(3, 4), "B") == Lookup(0, False)  # cannot evict A's unread blocks
+        assert mgr.lookup(k(1, 2), "A") == Lookup(2, False)
+        gpu_load(mgr, region, k(1, 2), req="A")
+        assert mgr.lookup(k(3, 4), "B") == Lookup(0, True)  # now there is room
+
+
+def test_finish_and_expiry_end_leases(instance):
+    with SharedRegion.create(instance, num_blocks=2, page_size=PAGE) as region:
+        a = MemoryTier(region, capacity_blocks=64, name="a")
+        mgr = manager(region, a, lease_steps=3)
+        gpu_store(mgr, region, k(1, 2))
+        settle(mgr)
+        evict_all(mgr, region)
+        mgr.lookup(k(1), "A")
+        mgr.lookup(k(2), "B")
+        settle(mgr)
+        assert mgr.primary.readers(k(1)[0]) == 1 and mgr.primary.readers(k(2)[0]) == 1
+        mgr.finish("A")
+        assert mgr.primary.readers(k(1)[0]) == 0
+        settle(mgr, 3)
+        assert mgr.primary.readers(k(2)[0]) == 0
+        assert mgr.stats()["tiering"]["leases_expired"] == 1
+
+
+def test_unknown_job_result_is_counted_not_fatal(region):
+    a = MemoryTier(region, name="a")
+    mgr = manager(region, a)
+    a._runner._done.append(JobResult(job_id=999, success=True))
+    a._jobs[999] = Job(999, (), (), a_kind())
+    mgr.step()
+    assert mgr.stats()["tiering"]["unknown_job_results"] == 1
+
+
+def a_kind():
+    from tierkv.tiers.base import JobKind
+
+    return JobKind.STORE
+
+
+class SharedMemoryBackend(MemoryBackend):
+    """A memory backend that another node may have filled (like S3)."""
+
+    shared = True
+
+
+def test_shared_tier_unknown_key_is_checked_then_promoted(region):
+    backend = SharedMemoryBackend(64, region.block_bytes)
+    backend._blocks[k(7)[0]] = pattern(k(7)[0], region.block_bytes)  # written by "node B"
+    tier = LocalTier(backend, region, name="s3ish")
+    tier.index.present.clear()  # this node has never seen it
+    mgr = manager(region, tier)
+    assert mgr.lookup(k(7), "r") == Lookup(0, True)  # existence check under way
+    mgr.step()
+    assert mgr.lookup(k(7), "r") == Lookup(0, True)  # known now: promotion starts
+    mgr.step()
+    assert mgr.lookup(k(7), "r") == Lookup(1, False)
+    assert gpu_load(mgr, region, k(7), req="r") == [pattern(k(7)[0], region.block_bytes)]
+    assert mgr.lookup(k(8), "r") == Lookup(0, True)
+    mgr.step()
+    assert mgr.lookup(k(8), "r") == Lookup(0, False)  # negative answer cached
+
+
+def test_complete_store_of_a_promoting_key_is_refused(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1))
+    settle(mgr)
+    evict_all(mgr, region)
+    mgr.lookup(k(1), "r")
+    with pytest.raises(BlockStateError, match="being promoted"):
+        mgr.complete_store(k(1))
+
+
+def test_reset_clears_cpu_and_keeps_secondary_data(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a", auto_complete=False)
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))
+    mgr.step()  # cascade sent, held in flight
+    mgr.reset()
+    assert mgr.primary.free_blocks == region.layout.num_blocks
+    assert a.holds(k(1)[0]) and a.holds(k(2)[0])
+    assert mgr.lookup(k(1, 2)) == Lookup(0, True)  # promoted back from the tier
+    mgr.primary.check_invariants()
+
+
+def test_shutdown_stops_tiers_before_closing_region(instance):
+    region = SharedRegion.create(instance, 2, PAGE)
+    order: list[str] = []
+
+    class Watching(MemoryTier):
+        def shutdown(self) -> None:
+            order.append("tier" if not region.closed else "tier-after-region")
+            super().shutdown()
+
+    mgr = TieringManager(PrimaryTier(2), [Watching(region, name="a")], region=region)
+    mgr.shutdown()
+    assert order == ["tier"] and region.closed
+
+
+def test_no_secondary_tiers_behaves_like_primary(region):
+    mgr = manager(region)
+    plain = PrimaryTier(region.layout.num_blocks)
+    for keys in (k(1, 2), k(2, 3, 4), k(5, 6, 7, 8)):
+        assert mgr.lookup(keys) == Lookup(plain.lookup(keys), False)
+        out1, out2 = mgr.prepare_store(keys), plain.prepare_store(keys)
+        assert out1 == out2
+        mgr.complete_store(out1.keys_to_store)
+        plain.complete_store(out2.keys_to_store)
+        mgr.step()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=st.lists(
+    st.tuples(st.sampled_from(["store", "lookup", "step", "finish", "touch"]),
+              st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True),
+              st.sampled_from(["A", "B", "C"])),
+    max_size=60))
+def test_random_steps_every_hit_has_the_stored_bytes(region, ops):
+    a = MemoryTier(region, capacity_blocks=5, name="a")
+    b = MemoryTier(region, capacity_blocks=9, name="b")
+    mgr = manager(region, a, b, lease_steps=4)
+    stored: set[bytes] = set()
+    for op, ns, req in ops:
+        keys = k(*ns)
+        if op == "store":
+            stored |= set(gpu_store(mgr, region, keys, may_refuse=True))
+        elif op == "lookup":
+            result = mgr.lookup(keys, req)
+            if result.hits:
+                hit = keys[: result.hits]
+                assert set(hit) <= stored
+                data = gpu_load(mgr, region, hit, req=req)
+                assert data == [pattern(x, region.block_bytes) for x in hit]
+        elif op == "step":
+            mgr.step()
+        elif op == "finish":
+            mgr.finish(req)
+        else:
+            mgr.touch(keys)
+        mgr.primary.check_invariants()
+    mgr.reset()
+    mgr.primary.check_invariants()
+
+
+def test_error_code_enum_is_stable():
+    assert ErrorCode("not_found") is ErrorCode.NOT_FOUND

@@ -1,0 +1,34 @@
+"""The small set of error codes every edge translates into (fsspec-style).
+
+Backends raise `TierError` with one of these codes; the tier process reports the
+code to the broker; the client sees `RemoteError.code`. The original exception is
+kept as `__cause__` and never sent anywhere (it may name a secret).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    NOT_FOUND = "not_found"  # the key or object is not there
+    NO_SPACE = "no_space"  # the tier or the disk is full
+    RETRYABLE = "retryable"  # a transient fault (throttling, a dropped connection)
+    CORRUPT = "corrupt"  # bytes failed verification; the bad copy was removed
+    FATAL = "fatal"  # a bug or a misconfiguration; retrying will not help
+    TIMEOUT = "timeout"  # a deadline passed
+    UNAVAILABLE = "unavailable"  # the peer or endpoint is gone
+    BAD_REQUEST = "bad_request"  # the caller sent something invalid
+    PROTOCOL = "protocol"  # a malformed message
+
+
+class TierError(Exception):
+    """A tier operation failed; `code` says how the caller should treat it."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code.value}] {self.message}"

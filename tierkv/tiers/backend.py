@@ -1,0 +1,67 @@
+"""The storage primitives a tier implements: the whole plugin interface.
+
+A backend stores and loads single blocks between a `memoryview` of a CPU-tier row
+and its medium. Everything else (sockets, batching, threads, existence caching,
+events, liveness) is done for it by the generic tier process or `LocalTier`.
+Third-party tiers subclass `TierBackend` and register it in the `tierkv.tiers`
+entry-point group.
+
+Threading: methods are called from a pool of worker threads and may block; an
+implementation must be thread-safe. Errors are raised as `TierError` with a code
+(`tierkv.errors.ErrorCode`); anything else is reported as a fatal error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Iterable
+from typing import Any, ClassVar
+
+from tierkv.keys import OffloadKey
+
+
+class TierBackend(ABC):
+    # The name a config uses (`type = "disk"`), set by each implementation.
+    type_name: ClassVar[str] = "?"
+    # True if the medium is shared between nodes, so it can hold keys this node
+    # never stored: the broker then asks `exists` for keys it does not know.
+    shared: ClassVar[bool] = False
+
+    @abstractmethod
+    def store(self, key: OffloadKey, src: memoryview, pinned: Container[OffloadKey] = ()) -> None:
+        """Persist `src` under `key`. May evict other keys to make room, never one in
+        `pinned` (the keys of the job being stored); report them via `take_evicted`."""
+
+    @abstractmethod
+    def load(self, key: OffloadKey, dst: memoryview) -> None:
+        """Fill `dst` with the verified bytes of `key`. NOT_FOUND if absent; CORRUPT
+        (after removing the bad copy) if verification fails."""
+
+    @abstractmethod
+    def exists(self, key: OffloadKey) -> bool:
+        """Whether the medium holds `key` (may ask a remote service)."""
+
+    @abstractmethod
+    def delete(self, key: OffloadKey) -> None:
+        """Remove `key`; absent keys are not an error."""
+
+    @abstractmethod
+    def inventory(self) -> list[OffloadKey]:
+        """Keys held at start-up (what survived a restart), reported in the hello."""
+
+    def capacity(self) -> int | None:
+        """Budget in bytes, or None when unbounded."""
+        return None
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """The keys were used (promoted): refresh them in the tier's eviction order."""
+
+    def take_evicted(self) -> list[OffloadKey]:
+        """Keys dropped by the backend's own eviction since the last call."""
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files, connections and pools. Idempotent."""

@@ -1,0 +1,184 @@
+"""Runs tier jobs against a backend: the data path shared by the tier process and
+the in-process `LocalTier`.
+
+Each job is split into one task per key. With `threads > 0` the tasks run on a
+pool of worker threads (blocking I/O such as `pwrite`/`preadv` and HTTP releases
+the GIL), loads before stores before existence checks, so a promotion a request is
+waiting for is not stuck behind a cascade nobody waits for. With `threads == 0`
+a job runs synchronously inside `submit` (deterministic tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tierkv.errors import ErrorCode, TierError
+from tierkv.keys import OffloadKey
+from tierkv.tiers.backend import TierBackend
+from tierkv.tiers.base import BlockRows, Job, JobKind, JobResult
+
+log = logging.getLogger("tierkv.tiers.runner")
+
+# Lower runs first.
+_PRIORITY = {JobKind.PROMOTION: 0, JobKind.STORE: 1, JobKind.DELETE: 2, JobKind.EXISTS: 3}
+
+
+@dataclass(eq=False)
+class _JobState:
+    job: Job
+    remaining: int
+    started: float = field(default_factory=time.perf_counter)
+    ok: list[bool] = field(default_factory=list)
+    bytes_moved: int = 0
+    error_code: ErrorCode | None = None
+    error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.ok = [False] * len(self.job.keys)
+
+
+class JobRunner:
+    def __init__(self, backend: TierBackend, rows: BlockRows | None, threads: int = 0) -> None:
+        self.backend = backend
+        self.rows = rows
+        self.threads = threads
+        self._done: deque[JobResult] = deque()
+        self._tasks: queue.PriorityQueue[tuple[int, int, _JobState | None, int]] = (
+            queue.PriorityQueue()
+        )
+        self._seq = itertools.count()
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._workers = [
+            threading.Thread(target=self._work, name=f"tier-io-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, job: Job) -> None:
+        if job.kind in (JobKind.STORE, JobKind.PROMOTION) and len(job.block_ids) != len(job.keys):
+            raise ValueError(
+                f"job {job.job_id}: {len(job.keys)} keys but {len(job.block_ids)} block ids"
+            )
+        state = _JobState(job, remaining=len(job.keys))
+        if not job.keys:
+            self._done.append(self._result(state))
+            return
+        with self._idle:
+            self._in_flight += 1
+        if not self._workers:
+            for i in range(len(job.keys)):
+                self._run_task(state, i)
+            return
+        prio = _PRIORITY[job.kind]
+        for i in range(len(job.keys)):
+            self._tasks.put((prio, next(self._seq), state, i))
+
+    def take_finished(self) -> list[JobResult]:
+        results = []
+        while self._done:
+            results.append(self._done.popleft())
+        return results
+
+    def drain(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._tasks.put((99, next(self._seq), None, 0))
+        for worker in self._workers:
+            worker.join(timeout=10)
+        self._workers = []
+
+    # -- worker side -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            _, _, state, index = self._tasks.get()
+            if state is None:
+                return
+            self._run_task(state, index)
+
+    def _run_task(self, state: _JobState, index: int) -> None:
+        job = state.job
+        key = job.keys[index]
+        moved = 0
+        try:
+            moved = self._run_key(job, index, key)
+            ok, code, message = True, None, ""
+        except TierError as e:
+            ok, code, message = False, e.code, e.message
+        except Exception as e:  # a backend bug must not kill the worker thread
+            log.exception("backend %s failed on key %s", self.backend.type_name, key.hex())
+            ok, code, message = False, ErrorCode.FATAL, f"{type(e).__name__} in backend"
+        with state.lock:
+            state.ok[index] = ok
+            state.bytes_moved += moved
+            if not ok and state.error_code is None:
+                state.error_code, state.error = code, message
+            state.remaining -= 1
+            last = state.remaining == 0
+        if last:
+            self._done.append(self._result(state))
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def _run_key(self, job: Job, index: int, key: OffloadKey) -> int:
+        backend = self.backend
+        if job.kind is JobKind.STORE:
+            view = self._row(job.block_ids[index])
+            backend.store(key, view, pinned=job.keys)
+            return len(view)
+        if job.kind is JobKind.PROMOTION:
+            view = self._row(job.block_ids[index])
+            backend.load(key, view)
+            return len(view)
+        if job.kind is JobKind.EXISTS:
+            if not backend.exists(key):
+                raise TierError(ErrorCode.NOT_FOUND, "absent")
+            return 0
+        backend.delete(key)
+        return 0
+
+    def _row(self, block_id: int) -> memoryview:
+        if self.rows is None:
+            raise TierError(ErrorCode.FATAL, "this runner has no CPU-tier rows")
+        return self.rows.block(block_id)
+
+    def _result(self, state: _JobState) -> JobResult:
+        job = state.job
+        ok_keys = tuple(k for k, ok in zip(job.keys, state.ok, strict=True) if ok)
+        evicted = tuple(self.backend.take_evicted()) if job.kind is JobKind.STORE else ()
+        success = len(ok_keys) == len(job.keys)
+        if job.kind is JobKind.EXISTS:
+            success = True  # a missing key is an answer, not a failure
+        return JobResult(
+            job_id=job.job_id,
+            success=success,
+            successful_keys=ok_keys,
+            bytes_moved=state.bytes_moved,
+            seconds=time.perf_counter() - state.started,
+            error_code=None if success else state.error_code,
+            error="" if success else state.error,
+            evicted_keys=evicted,
+        )
