@@ -7,23 +7,33 @@ import uuid
 
 import pytest
 
+# Every instance name this session handed out; only their segments are checked, so
+# another run on the same machine cannot make this one fail.
+_INSTANCES: set[str] = set()
+
+
+def new_instance() -> str:
+    """An instance name no other test uses (segments named tierkv.t<hex>...)."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    _INSTANCES.add(name)
+    return name
+
 
 def _our_segments() -> set[str]:
     try:
-        return {e for e in os.listdir("/dev/shm") if e.startswith("tierkv.t")}
+        entries = os.listdir("/dev/shm")
     except FileNotFoundError:
         return set()
+    return {e for e in entries if e.startswith("tierkv.") and e.split(".")[1] in _INSTANCES}
 
 
 @pytest.fixture
 def instance() -> str:
-    """An instance name no other test uses; segments named tierkv.t* are the suite's."""
-    return f"t{uuid.uuid4().hex[:12]}"
+    return new_instance()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments():
-    before = _our_segments()
     yield
-    left = _our_segments() - before
+    left = _our_segments()
     assert not left, f"shared-memory segments left in /dev/shm: {sorted(left)}"

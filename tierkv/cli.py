@@ -1,24 +1,90 @@
-"""The `tierkv` command: one entry point, a subcommand per job."""
+"""The `tierkv` command: one entry point, a subcommand per job.
+
+    tierkv demo [--quick]        the main job: a demo node, driven like an engine
+    tierkv up -c FILE            run a node (supervisor) until ^C
+    tierkv status [-c FILE]      a table of a running node
+    tierkv replay TRACE          replay a Mooncake trace against the policies
+    tierkv bench [AREA]          benchmarks, as ratios to the limits
+    tierkv gc -c FILE --older-than 7d   remove a namespace's old S3 objects
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from tierkv.config import ConfigError, load_config
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tierkv.status import gather, render
+
+    config = load_config(args.config)
+    status = gather(config, timeout=args.timeout)
+    print(json.dumps(status, indent=2, default=str) if args.json else render(status))
+    return 0 if status.get("broker") is not None else 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    from scripts.supervise import main as supervise
+
+    return supervise((["-c", args.config] if args.config else []) + ["-v"] * args.verbose)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run a demo node on the embedded default config")
+    parser = argparse.ArgumentParser(
+        prog="tierkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run a node until ^C")
+    up.add_argument("-c", "--config")
+    up.add_argument("-v", "--verbose", action="count", default=0)
+    up.set_defaults(run=_up)
+
+    status = sub.add_parser("status", help="a table of a running node")
+    status.add_argument("-c", "--config")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=float, default=3.0)
+    status.set_defaults(run=_status)
+
+    for name, help_text in (
+        ("demo", "the demo node, driven like an inference engine"),
+        ("replay", "replay a Mooncake trace (policies vs Belady)"),
+        ("bench", "benchmarks as ratios to the physical limits"),
+        ("gc", "remove a namespace's old objects from an S3 tier"),
+    ):
+        sub.add_parser(name, help=help_text, add_help=False)  # see DELEGATED
     return parser
 
 
+DELEGATED = {
+    "demo": ("tierkv.demo", ()),
+    "replay": ("tierkv.replay", ()),
+    "bench": ("tierkv.bench", ()),
+    "gc": ("workers.s3", ("gc",)),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        # These parse their own arguments (and their own --help).
+        module, prefix = DELEGATED[argv[0]]
+        import importlib
+
+        try:
+            return int(importlib.import_module(module).main([*prefix, *argv[1:]]) or 0)
+        except KeyboardInterrupt:
+            return 130
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        print("tierkv demo: the cluster is not assembled yet (the supervisor lands later).")
-        return 0
-    return 2
+    try:
+        return int(args.run(args))
+    except ConfigError as e:
+        print(f"tierkv: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

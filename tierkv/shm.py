@@ -142,7 +142,7 @@ class SharedRegion:
                 name, posix_ipc.O_CREX, mode=0o600, size=layout.total_size
             )
         except posix_ipc.ExistentialError:
-            _remove_if_stale(instance)
+            remove_stale_region(instance)
             try:
                 shm = posix_ipc.SharedMemory(
                     name, posix_ipc.O_CREX, mode=0o600, size=layout.total_size
@@ -353,7 +353,7 @@ def _validate(
         raise mismatch("size", mapped, layout.total_size)
 
 
-def _remove_if_stale(instance: str) -> None:
+def remove_stale_region(instance: str) -> None:
     """Unlink the region of `instance` if its owner is dead; leave a live one alone."""
     name = region_name(instance)
     try:
@@ -392,7 +392,7 @@ def sweep_stale_regions(shm_dir: str = "/dev/shm") -> list[str]:
                 continue
             before = os.path.exists(os.path.join(shm_dir, entry))
             try:
-                _remove_if_stale(instance)
+                remove_stale_region(instance)
             except (OSError, struct.error, posix_ipc.Error):
                 continue
             if before and not os.path.exists(os.path.join(shm_dir, entry)):

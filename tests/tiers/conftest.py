@@ -7,6 +7,7 @@ the suite over all of them. A new tier adds its factory here.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,6 +18,20 @@ from tierkv.tiers.memory import MemoryBackend
 Factory = Callable[..., TierBackend]
 
 BACKENDS = ["memory"]
+
+# Each real tier keeps its factory fixture in tests/tiers/fixtures_<type>.py; the
+# suite runs against every one that exists.
+for _type in ("disk", "s3"):
+    try:
+        _module = importlib.import_module(f"tests.tiers.fixtures_{_type}")
+    except ModuleNotFoundError as _e:
+        if _e.name != f"tests.tiers.fixtures_{_type}":
+            raise
+        continue
+    for _name in dir(_module):
+        if _name.startswith(("make_", "fixture_")):
+            globals()[_name] = getattr(_module, _name)
+    BACKENDS.append(_type)
 
 
 @pytest.fixture

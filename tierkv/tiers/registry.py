@@ -25,10 +25,12 @@ ENTRY_POINT_GROUP = "tierkv.tiers"
 
 _BUILTIN: dict[str, str] = {
     "memory": "tierkv.tiers.memory:MemoryBackend",
+    "disk": "workers.disk:DiskBackend",
+    "s3": "workers.s3:S3Backend",
 }
-_INSTALL_HINT: dict[str, str] = {}
+_INSTALL_HINT: dict[str, str] = {"s3": "install it with: pip install 'tierkv[s3]'"}
 # Keys of a tier's config entry that belong to the framework, not the backend.
-FRAMEWORK_KEYS = frozenset({"type", "name", "processes", "threads"})
+FRAMEWORK_KEYS = frozenset({"type", "name", "processes", "threads", "negative_ttl_s"})
 
 _registered: dict[str, type[TierBackend] | str] = {}
 

@@ -86,6 +86,10 @@ class JobRunner:
         for i in range(len(job.keys)):
             self._tasks.put((prio, next(self._seq), state, i))
 
+    def report(self, result: JobResult) -> None:
+        """A result decided without running the job (refused, too late)."""
+        self._done.append(result)
+
     def take_finished(self) -> list[JobResult]:
         results = []
         while self._done:

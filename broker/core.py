@@ -1,0 +1,545 @@
+"""The broker's logic, without sockets: BrokerCore takes decoded messages and the
+clock, and sends through a callback. `broker.main` moves the socket traffic.
+
+Single-threaded and event-driven: no locks around manager state. A step is a
+client `step` request, or a tick when no client has stepped for `tick_ms`: worker
+completions are applied, the `TieringManager` steps (tier completions applied,
+promotions and cascades flushed), and queued tier jobs are dispatched.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from broker.peers import Peer, PeerState, PeerTable, fence
+from broker.remote_tier import RemoteTier
+from broker.transfers import Transfer, TransferTracker
+from tierkv.config import Config
+from tierkv.errors import ErrorCode, TierError
+from tierkv.keys import OffloadEvent
+from tierkv.primary import BlockStateError
+from tierkv.protocol import (
+    BATCHABLE_OPS,
+    AttachedKV,
+    AttachKV,
+    BatchRequest,
+    BatchResult,
+    Bye,
+    ErrorInfo,
+    FinishRequest,
+    Heartbeat,
+    Inventory,
+    LoadRequest,
+    LoadResult,
+    LookupRequest,
+    LookupResult,
+    Message,
+    PollRequest,
+    ProtocolError,
+    Ready,
+    Refused,
+    RegisterKVRequest,
+    Reply,
+    StatsRequest,
+    StepRequest,
+    StepResult,
+    StoreRequest,
+    StoreResult,
+    TierDoneBatch,
+    TierHello,
+    TierStats,
+    TouchRequest,
+    TransferBatch,
+    TransferDoneBatch,
+    TransferJob,
+    TransferOutcome,
+    TransferResult,
+    Welcome,
+    WorkerHello,
+    decode_map,
+)
+from tierkv.shm import owner_alive
+from tierkv.tiering import TieringManager
+
+log = logging.getLogger("broker.core")
+
+Link = str  # "client" | "worker" | "tier"
+Send = Callable[[Link, bytes, Message], bool]
+MAX_EVENTS = 100_000
+MAX_FINISHED_PER_CLIENT = 100_000
+
+
+class RunState(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class RequestError(Exception):
+    """A client request the broker refuses; becomes an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class _PendingRegistration:
+    client: bytes
+    request_id: int
+    rank: int
+    deadline: float
+
+
+class BrokerCore:
+    def __init__(
+        self,
+        config: Config,
+        manager: TieringManager,
+        remote_tiers: dict[str, RemoteTier],
+        send: Send,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.remote_tiers = remote_tiers
+        self._send = send
+        self.clock = clock
+        self.state = RunState.RUNNING
+        self.peers = PeerTable(config.broker.heartbeat_s)
+        self.transfers = TransferTracker()
+        self.started_at = clock()
+        self._job_ids = itertools.count(1)
+        self._reg_ids = itertools.count(1)
+        self._workers: dict[int, Peer] = {}  # rank -> ready worker
+        self._registrations: dict[int, dict[str, Any]] = {}  # rank -> last engine registration
+        self._pending_regs: dict[int, _PendingRegistration] = {}
+        self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
+        self._finished: dict[bytes, list[TransferResult]] = {}
+        self._events: deque[OffloadEvent] = deque(maxlen=MAX_EVENTS)
+        self._last_step = clock()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("requests", "protocol_errors", "request_errors", "steps", "ticks", "stores",
+             "stores_refused", "loads", "transfers_failed", "late_outcomes", "peers_fenced",
+             "peer_deaths", "dropped_results"), 0
+        )
+
+    # -- client link ---------------------------------------------------------------
+
+    def on_client(self, client: bytes, msg: Message) -> None:
+        self.counters["requests"] += 1
+        request_id = getattr(msg, "id", 0)
+        if isinstance(msg, RegisterKVRequest):
+            self._register_kv(client, msg)
+            return
+        reply = self._run(client, msg, request_id)
+        self._send("client", client, reply)
+
+    def client_error(self, client: bytes, request_id: int | None, error: ProtocolError) -> None:
+        self.counters["protocol_errors"] += 1
+        self._send("client", client, Reply(request_id or 0, False,
+                                           error=ErrorInfo(error.code.value, str(error))))
+
+    def _run(self, client: bytes, msg: Message, request_id: int) -> Reply:
+        try:
+            result = self._dispatch(client, msg)
+            return Reply(request_id, True, result=result)
+        except RequestError as e:
+            self.counters["request_errors"] += 1
+            return Reply(request_id, False, error=ErrorInfo(e.code.value, str(e)))
+        except (BlockStateError, ValueError, TierError) as e:
+            self.counters["request_errors"] += 1
+            return Reply(request_id, False, error=ErrorInfo(ErrorCode.BAD_REQUEST.value, str(e)))
+
+    def _dispatch(self, client: bytes, msg: Message) -> Any:
+        if isinstance(msg, LookupRequest):
+            found = self.manager.lookup(msg.keys, msg.req_id)
+            return LookupResult(found.hits, found.pending)
+        if isinstance(msg, StoreRequest):
+            return self._store(client, msg)
+        if isinstance(msg, LoadRequest):
+            return self._load(client, msg)
+        if isinstance(msg, TouchRequest):
+            self.manager.touch(msg.keys)
+            return None
+        if isinstance(msg, FinishRequest):
+            self.manager.finish(msg.req_id)
+            return None
+        if isinstance(msg, StepRequest):
+            self.step()
+            return self._collect(client)
+        if isinstance(msg, PollRequest):
+            return self._collect(client)
+        if isinstance(msg, StatsRequest):
+            return self.stats()
+        if isinstance(msg, BatchRequest):
+            return self._batch(client, msg)
+        raise RequestError(ErrorCode.BAD_REQUEST, f"op {msg.op!r} is not a client request")
+
+    def _batch(self, client: bytes, msg: BatchRequest) -> BatchResult:
+        replies = []
+        for i, op in enumerate(msg.ops):
+            try:
+                sub = decode_map(op, allowed=BATCHABLE_OPS)
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                replies.append(Reply(i, False, error=ErrorInfo(e.code.value, f"ops[{i}]: {e}")))
+                continue
+            replies.append(self._run(client, sub, i))
+        return BatchResult(replies)
+
+    def _collect(self, client: bytes) -> StepResult:
+        finished = self._finished.pop(client, [])
+        events = list(self._events)
+        self._events.clear()
+        return StepResult(finished, events, self.manager.step_count)
+
+    # -- transfers (client -> workers) ---------------------------------------------------
+
+    def _require_workers(self, what: str) -> list[Peer]:
+        if self.state is not RunState.RUNNING:
+            raise RequestError(ErrorCode.UNAVAILABLE,
+                               f"broker is {self.state.value}: no new {what}")
+        workers = []
+        for rank in range(self.config.cpu.world_size):
+            peer = self._workers.get(rank)
+            if peer is None:
+                raise RequestError(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {rank}")
+            if not peer.extra.get("kv_attached"):
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE, f"rank {rank} has no KV cache registered"
+                )
+            workers.append(peer)
+        return workers
+
+    def _store(self, client: bytes, msg: StoreRequest) -> StoreResult:
+        workers = self._require_workers("stores")
+        out = self.manager.prepare_store(msg.keys, msg.req_id)
+        if out is None:
+            self.counters["stores_refused"] += 1
+            return StoreResult(None, [])
+        if not out.keys_to_store:
+            return StoreResult(None, [])
+        gpu_of = dict(zip(msg.keys, msg.gpu_block_ids, strict=True))
+        gpu_ids = [gpu_of[k] for k in out.keys_to_store]
+        transfer = self._start_transfer(
+            "store", client, out.keys_to_store, gpu_ids, out.block_ids, workers
+        )
+        self.counters["stores"] += 1
+        return StoreResult(transfer.job_id, out.keys_to_store)
+
+    def _load(self, client: bytes, msg: LoadRequest) -> LoadResult:
+        workers = self._require_workers("loads")
+        cpu_ids = self.manager.prepare_load(msg.keys, msg.req_id)
+        transfer = self._start_transfer(
+            "load", client, list(msg.keys), list(msg.gpu_block_ids), cpu_ids, workers
+        )
+        self.counters["loads"] += 1
+        return LoadResult(transfer.job_id)
+
+    def _start_transfer(
+        self, kind: str, client: bytes, keys: list[bytes], gpu_ids: list[int],
+        cpu_ids: list[int], workers: list[Peer],
+    ) -> Transfer:
+        deadline = self.clock() + self.config.broker.job_timeout_s
+        transfer = Transfer(next(self._job_ids), kind, keys, gpu_ids, cpu_ids, client, deadline,
+                            pending_ranks=set(range(len(workers))))
+        self.transfers.start(transfer)
+        job = TransferJob(transfer.job_id, kind, gpu_ids, cpu_ids, deadline)
+        for rank, peer in enumerate(workers):
+            if not self._send_peer(peer, TransferBatch([job])):
+                self._outcomes.append((rank, TransferOutcome(
+                    transfer.job_id, False, ErrorCode.UNAVAILABLE.value, "worker unreachable")))
+        return transfer
+
+    # -- KV registration (engine -> worker) -----------------------------------------------
+
+    def _register_kv(self, client: bytes, msg: RegisterKVRequest) -> None:
+        def refuse(code: ErrorCode, why: str) -> None:
+            self._send("client", client, Reply(msg.id, False, error=ErrorInfo(code.value, why)))
+
+        if not 0 <= msg.rank < self.config.cpu.world_size:
+            refuse(ErrorCode.BAD_REQUEST,
+                   f"rank {msg.rank} out of range for world_size {self.config.cpu.world_size}")
+            return
+        self._registrations[msg.rank] = msg.registration
+        peer = self._workers.get(msg.rank)
+        if peer is None:
+            refuse(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {msg.rank}; "
+                   "the registration is kept and sent when it comes")
+            return
+        reg_id = next(self._reg_ids)
+        self._pending_regs[reg_id] = _PendingRegistration(
+            client, msg.id, msg.rank, self.clock() + self.config.broker.job_timeout_s)
+        self._send_peer(peer, AttachKV(reg_id, msg.registration))
+
+    def _on_attached(self, peer: Peer, msg: AttachedKV) -> None:
+        peer.extra["kv_attached"] = msg.ok
+        if not msg.ok:
+            log.error("%s could not attach the KV cache: %s", peer.label(), msg.error)
+        pending = self._pending_regs.pop(msg.reg_id, None)
+        if pending is None:
+            return  # a re-attach after a worker restart: nobody is waiting
+        if msg.ok:
+            reply = Reply(pending.request_id, True, result={"rank": pending.rank,
+                                                            "page_size": msg.page_size})
+        else:
+            reply = Reply(pending.request_id, False,
+                          error=ErrorInfo(ErrorCode.BAD_REQUEST.value, msg.error))
+        self._send("client", pending.client, reply)
+
+    # -- worker link -----------------------------------------------------------------
+
+    def on_worker(self, identity: bytes, msg: Message) -> None:
+        now = self.clock()
+        if isinstance(msg, WorkerHello):
+            self._worker_hello(identity, msg, now)
+            return
+        peer = self.peers.seen(identity, now)
+        if peer is None or peer.state is not PeerState.READY or peer.kind != "worker":
+            self.counters["protocol_errors"] += 1
+            self._send("worker", identity, Refused("say hello first"))
+            return
+        if isinstance(msg, TransferDoneBatch):
+            rank = peer.extra["rank"]
+            self._outcomes.extend((rank, outcome) for outcome in msg.results)
+        elif isinstance(msg, AttachedKV):
+            self._on_attached(peer, msg)
+        elif isinstance(msg, Bye):
+            self._peer_gone(peer, f"said bye ({msg.reason})", fence_it=False)
+        elif not isinstance(msg, Heartbeat):
+            self.counters["protocol_errors"] += 1
+
+    def _worker_hello(self, identity: bytes, hello: WorkerHello, now: float) -> None:
+        ws = self.config.cpu.world_size
+        if hello.world_size != ws or not 0 <= hello.rank < ws:
+            self._refuse("worker", identity, f"rank {hello.rank} of world size "
+                         f"{hello.world_size} does not fit this broker (world size {ws})")
+            return
+        current = self._workers.get(hello.rank)
+        if current is not None and current.identity != identity:
+            if _alive(current):
+                self._refuse("worker", identity, f"rank {hello.rank} is taken by "
+                             f"pid {current.pid}")
+                return
+            self._peer_gone(current, "replaced by a new worker", fence_it=False)
+        peer = Peer(identity, "worker", f"rank{hello.rank}", hello.pid, hello.start_time,
+                    connected_at=now, last_seen=now, state=PeerState.READY,
+                    extra={"rank": hello.rank, "device": hello.device,
+                           "kv_attached": hello.registration is not None})
+        self.peers.add(peer)
+        self._workers[hello.rank] = peer
+        self._welcome("worker", peer)
+        log.info("%s ready (device %s)", peer.label(), hello.device)
+        if hello.registration is not None:
+            # The worker kept the engine's KV cache across a broker restart.
+            self._registrations.setdefault(hello.rank, hello.registration)
+            return
+        registration = self._registrations.get(hello.rank)
+        if registration is not None:  # a restarted worker: re-attach what the engine gave
+            self._send_peer(peer, AttachKV(next(self._reg_ids), registration))
+
+    # -- tier link -------------------------------------------------------------------
+
+    def on_tier(self, identity: bytes, msg: Message) -> None:
+        now = self.clock()
+        if isinstance(msg, TierHello):
+            self._tier_hello(identity, msg, now)
+            return
+        peer = self.peers.seen(identity, now)
+        if peer is None or peer.state is not PeerState.READY or peer.kind != "tier":
+            self.counters["protocol_errors"] += 1
+            self._send("tier", identity, Refused("say hello first"))
+            return
+        tier = self.remote_tiers[peer.name]
+        if isinstance(msg, TierDoneBatch):
+            tier.on_done(identity, msg)
+        elif isinstance(msg, Ready):
+            tier.on_credit(identity, msg.credit)
+        elif isinstance(msg, Inventory):
+            tier.on_inventory(identity, msg.keys, msg.last)
+        elif isinstance(msg, TierStats):
+            tier.on_stats(identity, msg.stats)
+        elif isinstance(msg, Bye):
+            self._peer_gone(peer, f"said bye ({msg.reason})", fence_it=False)
+        elif not isinstance(msg, Heartbeat):
+            self.counters["protocol_errors"] += 1
+
+    def _tier_hello(self, identity: bytes, hello: TierHello, now: float) -> None:
+        tier = self.remote_tiers.get(hello.tier)
+        if tier is None:
+            self._refuse("tier", identity, f"tier {hello.tier!r} is not configured "
+                         f"(tiers: {', '.join(self.remote_tiers) or 'none'})")
+            return
+        if hello.namespace and hello.namespace != self.config.namespace:
+            self._refuse("tier", identity, f"namespace {hello.namespace!r} differs from "
+                         f"the broker's {self.config.namespace!r}")
+            return
+        old = self.peers.get(identity)
+        if old is not None:
+            self._peer_gone(old, "said hello again", fence_it=False)
+        peer = Peer(identity, "tier", hello.tier, hello.pid, hello.start_time,
+                    connected_at=now, last_seen=now, state=PeerState.READY)
+        self.peers.add(peer)
+        tier.on_hello(identity, hello)
+        self._welcome("tier", peer)
+        log.info("%s connected (%s, %d blocks to report)", peer.label(), hello.type,
+                 hello.inventory_total)
+
+    # -- liveness ------------------------------------------------------------------
+
+    def check_liveness(self) -> None:
+        """Heartbeats out, silent peers dead, overdue jobs fenced. Call often."""
+        now = self.clock()
+        for peer in self.peers.silent(now):
+            self._peer_gone(peer, f"silent for {now - peer.last_seen:.1f}s", fence_it=True)
+        for transfer in self.transfers.overdue(now):
+            for rank in list(transfer.pending_ranks):
+                worker = self._workers.get(rank)
+                if worker is not None:
+                    self._peer_gone(worker, f"job {transfer.job_id} passed its deadline "
+                                    f"(broker.job_timeout_s={self.config.broker.job_timeout_s})",
+                                    fence_it=True)
+                else:
+                    self._outcomes.append((rank, TransferOutcome(
+                        transfer.job_id, False, ErrorCode.TIMEOUT.value, "deadline passed")))
+                    transfer.deadline = 0  # reported once
+        for tier in self.remote_tiers.values():
+            for identity in tier.overdue(now):
+                holder = self.peers.get(identity)
+                if holder is not None:
+                    self._peer_gone(holder, "a job passed its deadline "
+                                    f"(broker.job_timeout_s={self.config.broker.job_timeout_s})",
+                                    fence_it=True)
+        for reg_id, pending in list(self._pending_regs.items()):
+            if now > pending.deadline:
+                del self._pending_regs[reg_id]
+                why = f"worker of rank {pending.rank} did not attach in time"
+                self._send("client", pending.client, Reply(
+                    pending.request_id, False, error=ErrorInfo(ErrorCode.TIMEOUT.value, why)))
+        for peer in self.peers.due_heartbeat(now):
+            self._send_peer(peer, Heartbeat())
+
+    def _peer_gone(self, peer: Peer, reason: str, fence_it: bool) -> None:
+        if fence_it and fence(peer):
+            self.counters["peers_fenced"] += 1
+        log.warning("%s is gone: %s", peer.label(), reason)
+        self.counters["peer_deaths"] += 1
+        peer.state = PeerState.DEAD
+        self.peers.remove(peer.identity)
+        if peer.kind == "worker":
+            rank = peer.extra["rank"]
+            if self._workers.get(rank) is peer:
+                del self._workers[rank]
+            for transfer in list(self.transfers.jobs.values()):
+                if rank in transfer.pending_ranks:
+                    self._outcomes.append((rank, TransferOutcome(
+                        transfer.job_id, False, ErrorCode.UNAVAILABLE.value,
+                        f"worker of rank {rank} died: {reason}")))
+        else:
+            self.remote_tiers[peer.name].peer_died(peer.identity, reason)
+
+    # -- steps ---------------------------------------------------------------------
+
+    def tick_due(self) -> float:
+        """Seconds until the next tick (<= 0: now)."""
+        return self._last_step + self.config.broker.tick_ms / 1000 - self.clock()
+
+    def tick(self) -> None:
+        self.counters["ticks"] += 1
+        self.step()
+
+    def step(self) -> None:
+        self.counters["steps"] += 1
+        self._apply_outcomes()
+        self.manager.step()
+        for tier in self.remote_tiers.values():
+            tier.dispatch()
+        self._events.extend(self.manager.take_events())
+        self._last_step = self.clock()
+
+    def _apply_outcomes(self) -> None:
+        outcomes, self._outcomes = self._outcomes, []
+        for rank, outcome in outcomes:
+            transfer = self.transfers.rank_done(rank, outcome)
+            if transfer is None:
+                if outcome.job_id not in self.transfers.jobs:
+                    self.counters["late_outcomes"] += 1
+                continue
+            if transfer.kind == "store":
+                self.manager.complete_store(transfer.keys, transfer.success)
+            else:
+                self.manager.complete_load(transfer.keys)
+            if not transfer.success:
+                self.counters["transfers_failed"] += 1
+            finished = self._finished.setdefault(transfer.client, [])
+            if len(finished) >= MAX_FINISHED_PER_CLIENT:
+                finished.pop(0)
+                self.counters["dropped_results"] += 1
+            finished.append(transfer.result())
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        if self.state is RunState.RUNNING:
+            log.info("draining: no new stores or loads; waiting for %d transfers and %d "
+                     "tier jobs", len(self.transfers), self.manager.in_flight)
+            self.state = RunState.DRAINING
+
+    def drained(self) -> bool:
+        return (not self.transfers and not self._outcomes
+                and all(t.drain() for t in self.remote_tiers.values())
+                and self.manager.in_flight == 0)
+
+    def say_goodbye(self) -> None:
+        for peer in list(self.peers.peers.values()):
+            self._send_peer(peer, Bye("broker stopping"))
+        self.state = RunState.STOPPED
+
+    # -- observation -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "instance": self.config.instance,
+            "state": self.state.value,
+            "uptime_s": now - self.started_at,
+            "broker": dict(self.counters),
+            "transfers_in_flight": len(self.transfers),
+            "peers": [
+                {"kind": p.kind, "name": p.name, "pid": p.pid, "state": p.state.value,
+                 "uptime_s": now - p.connected_at, "silent_s": now - p.last_seen,
+                 **({"kv_attached": bool(p.extra.get("kv_attached"))}
+                    if p.kind == "worker" else {})}
+                for p in self.peers.peers.values()
+            ],
+            **self.manager.stats(),
+        }
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _send_peer(self, peer: Peer, msg: Message) -> bool:
+        peer.last_sent = self.clock()
+        return self._send(peer.kind, peer.identity, msg)
+
+    def _welcome(self, link: Link, peer: Peer) -> None:
+        cpu = self.config.cpu
+        self._send_peer(peer, Welcome(self.config.instance, cpu.num_blocks, cpu.page_size,
+                                      cpu.world_size, self.config.broker.heartbeat_s,
+                                      self.config.namespace))
+
+    def _refuse(self, link: Link, identity: bytes, reason: str) -> None:
+        log.warning("refused a %s: %s", link, reason)
+        self.counters["request_errors"] += 1
+        self._send(link, identity, Refused(reason))
+
+
+def _alive(peer: Peer) -> bool:
+    return owner_alive(peer.pid, peer.start_time)

@@ -1,0 +1,228 @@
+"""The broker process: `python -m broker -c tierkv.toml` or `tierkv-broker`.
+
+A thin wrapper that only moves socket traffic for `BrokerCore`: three ROUTER
+sockets (clients, gpu workers, tier processes) on one poll loop, plus the
+supervisor's lifeline. Signal handlers only flip a flag; the loop drains in-flight
+work within `broker.drain_timeout_s`, says goodbye, closes the sockets, unlinks
+the shared region and the socket files, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+
+import zmq
+
+from broker.core import BrokerCore, RunState
+from broker.metrics import BrokerMetrics
+from broker.remote_tier import RemoteTier
+from tierkv.config import Config, ConfigError, load_config, tier_name
+from tierkv.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.logs import setup_logging
+from tierkv.primary import PrimaryTier
+from tierkv.protocol import (
+    CLIENT_OPS,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    peek_id,
+)
+from tierkv.reuse import ReuseFilter
+from tierkv.shm import RegionError, SharedRegion
+from tierkv.sockets import AddressError, bind, ensure_run_dir, make_socket, remove_ipc_file
+from tierkv.tiering import TieringManager
+
+log = logging.getLogger("broker")
+
+WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
+TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb",
+                      "bye"})
+MAX_MESSAGES_PER_WAKEUP = 2000
+METRICS_S = 0.5  # how often the metrics endpoint's snapshot is refreshed
+
+
+class BrokerProc:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.stop_requested = False
+        ensure_run_dir(config.run_path)
+        cpu = config.cpu
+        self.region = SharedRegion.create(config.instance, cpu.num_blocks, cpu.page_size,
+                                          cpu.world_size)
+        try:
+            reuse = ReuseFilter(cpu.reuse_threshold) if cpu.reuse_threshold else None
+            primary = PrimaryTier(cpu.num_blocks, cpu.policy, reuse_filter=reuse)
+            clock = time.monotonic
+            self.remote = {
+                tier_name(entry): RemoteTier(
+                    tier_name(entry), self._send_tier, clock, config.broker.job_timeout_s,
+                    negative_ttl_s=float(entry.get("negative_ttl_s", 2.0)),
+                )
+                for entry in config.tiers
+            }
+            manager = TieringManager(primary, list(self.remote.values()),
+                                     lease_steps=cpu.lease_steps, region=self.region)
+            self.core = BrokerCore(config, manager, self.remote, self._send, clock)
+            self._open_sockets()
+            self.metrics = BrokerMetrics(config.broker.metrics_port) \
+                if config.broker.metrics_port else None
+        except BaseException:
+            self.region.close()
+            self.region.unlink()
+            raise
+
+    def _open_sockets(self) -> None:
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.addresses = {link: self.config.address(link) for link in ("client", "worker", "tier")}
+        for link, address in self.addresses.items():
+            sock = make_socket(self.ctx, zmq.ROUTER)
+            self.sockets[link] = sock
+            bind(sock, address)
+        self._links = {sock: link for link, sock in self.sockets.items()}
+
+    # -- sending ---------------------------------------------------------------------
+
+    def _send(self, link: str, identity: bytes, msg: Message) -> bool:
+        try:
+            self.sockets[link].send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
+            log.debug("send to %s %r failed: %s", link, identity, e)
+            return False
+
+    def _send_tier(self, identity: bytes, msg: Message) -> bool:
+        return self._send("tier", identity, msg)
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        for sock in self.sockets.values():
+            poller.register(sock, zmq.POLLIN)
+        lifeline = lifeline_fd()
+        if lifeline is not None:
+            poller.register(lifeline, zmq.POLLIN)
+        core = self.core
+        notify_ready(" ".join(f"{k}={v}" for k, v in self.addresses.items()))
+        log.info("broker %s serving: %s", self.config.instance, self.addresses["client"])
+        drain_deadline = next_metrics = 0.0
+        heartbeat = self.config.broker.heartbeat_s
+        while True:
+            if self.stop_requested and core.state is RunState.RUNNING:
+                core.begin_drain()
+                drain_deadline = time.monotonic() + self.config.broker.drain_timeout_s
+            if core.state is RunState.DRAINING:
+                if core.drained():
+                    break
+                if time.monotonic() > drain_deadline:
+                    log.warning("drain timeout (broker.drain_timeout_s=%.1f) passed with work "
+                                "in flight", self.config.broker.drain_timeout_s)
+                    break
+            timeout = max(0.0, min(core.tick_due(), heartbeat / 4))
+            for item, _ in poller.poll(int(timeout * 1000)):
+                if lifeline is not None and item == lifeline:
+                    if parent_gone(lifeline):
+                        log.warning("supervisor is gone: stopping")
+                        self.stop_requested = True
+                        poller.unregister(lifeline)
+                    continue
+                self._receive(item)
+            if core.tick_due() <= 0:
+                core.tick()
+            core.check_liveness()
+            if self.metrics is not None and time.monotonic() >= next_metrics:
+                self.metrics.update(core.stats())
+                next_metrics = time.monotonic() + METRICS_S
+        self.close()
+        return 0
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        link = self._links[sock]
+        for _ in range(MAX_MESSAGES_PER_WAKEUP):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.core.counters["protocol_errors"] += 1
+                continue
+            # DEALER sends [payload]; REQ sends [b"", payload]. The router's first
+            # frame is the identity either way.
+            identity, payload = frames[0], frames[-1]
+            self._handle(link, identity, payload)
+
+    def _handle(self, link: str, identity: bytes, payload: bytes) -> None:
+        core = self.core
+        allowed = {"client": CLIENT_OPS, "worker": WORKER_OPS, "tier": TIER_OPS}[link]
+        try:
+            msg = decode(payload, allowed)
+        except ProtocolError as e:
+            if link == "client":
+                core.client_error(identity, peek_id(payload), e)
+            else:
+                core.counters["protocol_errors"] += 1
+                log.warning("dropped a malformed %s message: %s", link, e)
+            return
+        try:
+            if link == "client":
+                core.on_client(identity, msg)
+            elif link == "worker":
+                core.on_worker(identity, msg)
+            else:
+                core.on_tier(identity, msg)
+        except Exception:
+            # A bug must cost one message, not the node.
+            core.counters["protocol_errors"] += 1
+            log.exception("error handling a %s %s message", link, msg.op)
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requested = True
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self.core.say_goodbye()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        for address in self.addresses.values():
+            remove_ipc_file(address)
+        self.core.manager.shutdown()  # tiers first, then the region (closed and unlinked)
+        log.info("broker %s stopped", self.config.instance)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierkv-broker", description="the tierkv broker")
+    parser.add_argument("-c", "--config", help="tierkv.toml (default: built-in defaults)")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"tierkv-broker: {e}", file=sys.stderr)
+        return 2
+    setup_logging("broker", config.log_level, args.verbose)
+    try:
+        proc = BrokerProc(config)
+    except (RegionError, AddressError, ConfigError, zmq.ZMQError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    signal.signal(signal.SIGTERM, proc.request_stop)
+    signal.signal(signal.SIGINT, proc.request_stop)
+    return proc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

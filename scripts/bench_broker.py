@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Broker figures: control-plane round trips against the in-process manager, and
+the data path through the CPU worker against a plain numpy copy of the same bytes.
+
+    python scripts/bench_broker.py [--rounds 2000] [--blocks 1000] [--page-kib 256]
+
+Control plane: p50/p99 of a `lookup` of 64 keys and of one batched step of
+256 requests x 64 keys, and keys/s through lookup, each against the same calls on
+an in-process `TieringManager` holding the same blocks (ratio = in-process time /
+broker time: the share of the ideal a service reaches). Data path: store then load
+of `--blocks` blocks of `--page-kib` KiB through broker + worker, GB/s against
+`np.copyto` of the same total bytes in the same run. Medians of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierkv.client import Client
+from tierkv.config import Config, config_from_dict
+from tierkv.engine import KVLayout, allocate_kv_cache
+from tierkv.primary import PrimaryTier
+from tierkv.supervisor import Node
+from tierkv.tiering import TieringManager
+
+KEYS_PER_REQUEST = 64
+REQUESTS_PER_STEP = 256
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def timed(fn: Any, rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def node_config(instance: str, run_dir: Path, blocks: int, page: int) -> Config:
+    return config_from_dict({
+        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
+        "cpu": {"num_blocks": max(blocks, REQUESTS_PER_STEP * 2), "page_size": page},
+        "worker": {"device": "cpu"},
+        "broker": {"job_timeout_s": 120.0, "heartbeat_s": 1.0},
+        "client": {"timeout_s": 120.0},
+    }, "<bench>")
+
+
+def layout_for(page: int, blocks: int) -> KVLayout:
+    # 32 layers, K and V, 16-token blocks of fp16: heads x head_dim fills the page.
+    per_token = page // (32 * 2 * 16 * 2)
+    head_dim = 128 if per_token % 128 == 0 else per_token
+    return KVLayout.per_layer(32, blocks, 16, per_token // head_dim, head_dim, "float16")
+
+
+def control_plane(client: Client, rounds: int) -> dict[str, Any]:
+    # A stored prefix so lookups walk real hits (64 keys, all in the CPU tier).
+    hot = [key(i) for i in range(KEYS_PER_REQUEST)]
+    store = client.store(hot, list(range(KEYS_PER_REQUEST)))
+    _wait(client, {store.job_id})
+    manager = TieringManager(PrimaryTier(4096))
+    out = manager.prepare_store(hot)
+    assert out is not None
+    manager.complete_store(out.keys_to_store)
+
+    remote = timed(lambda: client.lookup(hot, "bench"), rounds)
+    local = timed(lambda: manager.lookup(hot, "bench"), rounds)
+
+    requests = [[key(10_000 + r * KEYS_PER_REQUEST + i) for i in range(KEYS_PER_REQUEST)]
+                for r in range(REQUESTS_PER_STEP)]
+
+    def remote_step() -> None:
+        batch = client.batch()
+        for r, keys in enumerate(requests):
+            batch.lookup(keys, f"r{r}")
+        batch.step().send()
+
+    def local_step() -> None:
+        for r, keys in enumerate(requests):
+            manager.lookup(keys, f"r{r}")
+        manager.step()
+
+    step_rounds = max(10, rounds // 40)
+    remote_steps = timed(remote_step, step_rounds)
+    local_steps = timed(local_step, step_rounds)
+    return {"lookup": (remote, local), "step": (remote_steps, local_steps)}
+
+
+def data_path(client: Client, kv: Any, blocks: int, page: int, repeats: int) -> dict[str, Any]:
+    nbytes = blocks * page
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    stores, loads, copies = [], [], []
+    for rep in range(repeats):
+        keys = [key(1_000_000 + rep * blocks + i) for i in range(blocks)]
+        t0 = time.perf_counter()
+        store = client.store(keys, list(range(blocks)))
+        _wait(client, {store.job_id})
+        stores.append(nbytes / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        load = client.load(keys, list(range(blocks)))
+        _wait(client, {load.job_id})
+        loads.append(nbytes / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copies.append(nbytes / (time.perf_counter() - t0))
+    return {"store": stores, "load": loads, "memcpy": copies}
+
+
+def _wait(client: Client, jobs: set[int]) -> None:
+    done: set[int] = set()
+    while jobs - done:
+        for result in client.step().finished:
+            if not result.success:
+                raise RuntimeError(f"job {result.job_id} failed: {result.error}")
+            done.add(result.job_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--blocks", type=int, default=1000)
+    parser.add_argument("--page-kib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    page = args.page_kib * 1024
+    instance = f"bench{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = node_config(instance, Path(tmp), args.blocks, page)
+        node = Node(config)
+        node.start()
+        kv = allocate_kv_cache(instance, 0, layout_for(page, args.blocks))
+        try:
+            client = Client.from_config(config)
+            client.register_kv(0, kv.registration())
+            kv.tensors[0].view(-1)[:] = 1
+            cp = control_plane(client, args.rounds)
+            dp = data_path(client, kv, args.blocks, page, args.repeats)
+            client.close()
+        finally:
+            node.stop()
+            kv.close()
+    report(cp, dp, args, page)
+    return 0
+
+
+def report(cp: dict[str, Any], dp: dict[str, Any], args: argparse.Namespace, page: int) -> None:
+    print("control plane (broker round trip vs in-process TieringManager, same calls)")
+    print(f"{'call':<34}{'broker p50':>12}{'p99':>10}{'in-proc p50':>13}{'p99':>10}"
+          f"{'ratio p50':>11}")
+    for name, label in (("lookup", f"lookup {KEYS_PER_REQUEST} keys"),
+                        ("step", f"step {REQUESTS_PER_STEP} req x {KEYS_PER_REQUEST} keys")):
+        remote, local = cp[name]
+        r50, r99 = percentiles(remote)
+        l50, l99 = percentiles(local)
+        print(f"{label:<34}{r50 * 1e6:>10.0f}us{r99 * 1e6:>8.0f}us{l50 * 1e6:>11.0f}us"
+              f"{l99 * 1e6:>8.0f}us{l50 / r50:>11.3f}")
+    r50, _ = percentiles(cp["step"][0])
+    l50, _ = percentiles(cp["step"][1])
+    keys = REQUESTS_PER_STEP * KEYS_PER_REQUEST
+    print(f"keys/s through lookup (batched): broker {keys / r50:,.0f}, in-process "
+          f"{keys / l50:,.0f} (ratio {l50 / r50:.3f})")
+    print()
+    print(f"data path: {args.blocks} blocks x {page // 1024} KiB through broker + CPU worker "
+          f"vs np.copyto of the same bytes; median of {args.repeats} (min-max), GB/s")
+    memcpy = statistics.median(dp["memcpy"]) / 1e9
+    for name in ("store", "load"):
+        rates = [r / 1e9 for r in dp[name]]
+        med = statistics.median(rates)
+        print(f"  {name:<6}{med:>7.2f} ({min(rates):.2f}-{max(rates):.2f})   memcpy "
+              f"{memcpy:.2f}   ratio {med / memcpy:.3f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Malformed input to a real broker process: error replies or counted drops, and it
+keeps serving everyone else."""
+
+from __future__ import annotations
+
+import sys
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import new_instance
+from tests.integration.cluster import leftovers, make_config
+from tierkv.client import Client, RemoteError
+from tierkv.config import dump_config
+from tierkv.lifecycle import spawn, stop, wait_ready
+from tierkv.protocol import PROTOCOL_VERSION, decode
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+
+    instance = new_instance()
+    run_dir = tmp_path_factory.mktemp("broker")
+    config = make_config(instance, run_dir, tiers=[])
+    path = run_dir / "b.toml"
+    path.write_text(dump_config(config))
+    child = spawn("broker", [sys.executable, "-m", "broker", "-c", str(path)])
+    try:
+        wait_ready([child], 30)
+        yield config
+    finally:
+        assert stop(child, 10) == 0, child.tail()
+        assert leftovers(run_dir, instance) == []
+
+
+def raw_socket(config) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(config.address("client"))
+    return sock
+
+
+def ask(sock: zmq.Socket, payload: bytes, timeout_ms: int = 3000):
+    sock.send(payload)
+    assert sock.poll(timeout_ms), "the broker did not answer"
+    return decode(sock.recv())
+
+
+@pytest.mark.parametrize("payload, code", [
+    (b"\x00\x01garbage", "protocol"),
+    (msgpack.packb({"v": PROTOCOL_VERSION + 1, "op": "lookup", "id": 3, "keys": []}),
+     "protocol"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "op": "nuke", "id": 4}), "protocol"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "op": "lookup", "id": 5, "keys": [7]}), "protocol"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "op": "lookup", "id": 6,
+                    "keys": [b"k"] * 70000}), "protocol"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "op": "load", "id": 7, "keys": [b"k"],
+                    "gpu_block_ids": [1]}), "unavailable"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "op": "tier_hello", "id": 8, "tier": "x",
+                    "type": "x", "pid": 1}), "protocol"),
+])
+def test_bad_requests_get_error_replies(broker, payload, code):
+    sock = raw_socket(broker)
+    try:
+        reply = ask(sock, payload)
+        assert reply.ok is False and reply.error.code == code
+    finally:
+        sock.close()
+    with Client(broker.address("client"), timeout=3) as c:
+        assert c.lookup([b"fine"]).hits == 0
+
+
+def test_version_mismatch_names_both_versions(broker):
+    sock = raw_socket(broker)
+    try:
+        reply = ask(sock, msgpack.packb({"v": 7, "op": "stats", "id": 1}))
+        assert "protocol version 7" in reply.error.message
+        assert f"speaks version {PROTOCOL_VERSION}" in reply.error.message
+        assert reply.id == 1
+    finally:
+        sock.close()
+
+
+def test_misuse_is_refused_with_bad_request(broker):
+    with Client(broker.address("client"), timeout=3) as c:
+        with pytest.raises(RemoteError) as e:
+            c.load([b"never-stored"], [0])
+        assert e.value.code in ("bad_request", "unavailable")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(
+    st.binary(max_size=300),
+    st.dictionaries(
+        st.sampled_from(["v", "op", "id", "keys", "gpu_block_ids", "req_id", "ops", "rank"]),
+        st.one_of(st.integers(-5, 2**40), st.text(max_size=8), st.binary(max_size=8),
+                  st.none(), st.lists(st.binary(max_size=4), max_size=5),
+                  st.sampled_from(["lookup", "store", "load", "batch", "step", "stats"]))
+    ).map(lambda d: msgpack.packb(d, use_bin_type=True)),
+))
+def test_fuzzed_client_messages_never_stop_the_broker(broker, payload):
+    sock = raw_socket(broker)
+    try:
+        sock.send(payload)
+        if sock.poll(2000):
+            decode(sock.recv())  # whatever came back is a well-formed reply
+    finally:
+        sock.close()
+    with Client(broker.address("client"), timeout=3) as c:
+        assert c.stats()["state"] == "running"

@@ -1,0 +1,165 @@
+"""The service end to end on CPU: real processes, real sockets, real shared memory."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.integration.cluster import key_bytes, keys, step_until, wait_for
+from tierkv.client import BrokerUnavailable, Client, RemoteError
+from tierkv.shm import SharedRegion
+
+
+def test_store_then_load_returns_the_same_bytes(make_cluster):
+    cluster = make_cluster()
+    c = cluster.client()
+    ks = keys(1, 2, 3, 4)
+    cluster.fill(ks, [0, 1, 2, 3])
+    store = c.store(ks, [0, 1, 2, 3], req_id="r1")
+    assert store.keys_accepted == ks
+    (result,) = wait_for(c, {store.job_id}).values()
+    assert result.success and result.kind == "store"
+    cluster.scramble([0, 1, 2, 3, 10, 11, 12, 13])
+    assert c.lookup(ks, req_id="r2").hits == 4
+    load = c.load(ks, [10, 11, 12, 13], req_id="r2")
+    assert wait_for(c, {load.job_id})[load.job_id].success
+    assert cluster.holds(ks, [10, 11, 12, 13])
+    assert not cluster.holds(ks, [0, 1, 2, 3])  # the source blocks were scrambled
+    # Storing present keys again copies nothing.
+    assert c.store(ks, [0, 1, 2, 3]).keys_accepted == []
+
+
+def test_batch_runs_one_step_in_one_round_trip(make_cluster):
+    cluster = make_cluster()
+    c = cluster.client()
+    ks = keys(7, 8)
+    cluster.fill(ks, [4, 5])
+    results = c.batch().lookup(ks, "r").store(ks, [4, 5], "r").touch(ks).step().send()
+    lookup, store, touched, step = results
+    assert lookup.hits == 0 and store.keys_accepted == ks and touched is None
+    wait_for(c, {store.job_id})
+    bad = c.batch().load(keys(99), [0], "r").lookup(ks, "r").send()
+    assert isinstance(bad[0], RemoteError) and bad[0].code == "bad_request"
+    assert bad[1].hits == 2  # the refused op did not stop the others
+
+
+def test_evicted_block_is_promoted_back_from_the_tier(make_cluster):
+    cluster = make_cluster(cpu={"num_blocks": 8})
+    c = cluster.client()
+    first, second = keys(*range(8)), keys(*range(100, 108))
+    cluster.fill(first, list(range(8)))
+    wait_for(c, {c.store(first, list(range(8))).job_id})
+    # The cascade to the memory tier finishes within a few steps.
+    step_until(c, lambda: c.stats()["tiers"]["memory"]["blocks"] == 8)
+    cluster.fill(second, list(range(8, 16)))
+    wait_for(c, {c.store(second, list(range(8, 16))).job_id})
+    first_lookup = c.lookup(first[:4], "r")
+    assert first_lookup.pending and first_lookup.hits == 0
+    hit = step_until(c, lambda: c.lookup(first[:4], "r").hits == 4)
+    assert hit
+    cluster.scramble([20, 21, 22, 23])
+    load = c.load(first[:4], [20, 21, 22, 23], req_id="r")
+    assert wait_for(c, {load.job_id})[load.job_id].success
+    assert cluster.holds(first[:4], [20, 21, 22, 23])
+    stats = c.stats()
+    assert stats["tiers"]["memory"]["promoted_blocks"] == 4
+    assert stats["cpu"]["evictions"] >= 8
+
+
+def test_world_size_two_each_rank_writes_its_own_page(make_cluster):
+    cluster = make_cluster(cpu={"world_size": 2, "num_blocks": 8})
+    c = cluster.client()
+    ks = keys(1, 2, 3)
+    cluster.fill(ks, [3, 4, 5])
+    store = c.store(ks, [3, 4, 5])
+    assert wait_for(c, {store.job_id})[store.job_id].success
+    region = SharedRegion.attach(cluster.config.instance)
+    try:
+        page = cluster.config.cpu.page_size
+        for rank in range(2):
+            for key in ks:
+                # Rows come out of the allocator in order: key i in row i.
+                row = ks.index(key)
+                assert bytes(region.page(row, rank)) == key_bytes(key, rank, page)
+    finally:
+        region.close()
+    cluster.scramble([3, 4, 5])
+    load = c.load(ks, [3, 4, 5])
+    assert wait_for(c, {load.job_id})[load.job_id].success
+    assert cluster.holds(ks, [3, 4, 5])
+
+
+def test_store_is_refused_when_room_cannot_be_made(make_cluster):
+    cluster = make_cluster(cpu={"num_blocks": 4})
+    c = cluster.client()
+    ks = keys(1, 2, 3, 4)
+    cluster.fill(ks, [0, 1, 2, 3])
+    wait_for(c, {c.store(ks, [0, 1, 2, 3]).job_id})
+    load = c.load(ks, [4, 5, 6, 7])  # every block has a reader now
+    refused = c.store(keys(9), [8])
+    assert refused.job_id is None and refused.keys_accepted == []
+    wait_for(c, {load.job_id})
+
+
+def test_tier_killed_mid_batch_fails_its_jobs_and_leaves_lookups(make_cluster):
+    cluster = make_cluster(cpu={"num_blocks": 8})
+    c = cluster.client()
+    ks = keys(*range(8))
+    cluster.fill(ks, list(range(8)))
+    wait_for(c, {c.store(ks[:4], list(range(4))).job_id})
+    step_until(c, lambda: c.stats()["tiers"]["memory"]["blocks"] == 4)
+    tier = cluster.node.children["tier:memory:0"]
+    tier.proc.send_signal(signal.SIGSTOP)  # hung: the next cascade stays in flight
+    wait_for(c, {c.store(ks[4:], list(range(4, 8))).job_id})
+    step_until(c, lambda: c.stats()["tiering"]["cascades_in_flight"] >= 1)
+    tier.proc.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    step_until(c, lambda: c.stats()["tiering"]["cascades_in_flight"] == 0, timeout=10)
+    detected = time.monotonic() - t0
+    stats = c.stats()
+    assert detected < 5 * cluster.config.broker.heartbeat_s + 2
+    assert stats["tiers"]["memory"]["available"] is False
+    assert stats["cpu"]["blocks_ready"] == 8
+    # Cascade readers were released: every CPU block can be evicted again.
+    more = keys(*range(50, 58))
+    cluster.fill(more, list(range(8, 16)))
+    store = c.store(more, list(range(8, 16)))
+    assert store.keys_accepted == more
+    wait_for(c, {store.job_id})
+    # Evicted keys are a miss now: the tier is gone from lookups, nothing pending.
+    assert c.lookup(ks[:2], "r").hits == 0
+    assert c.lookup(ks[:2], "r").pending is False
+
+
+def test_worker_killed_fails_transfers_cleanly(make_cluster):
+    cluster = make_cluster()
+    c = cluster.client()
+    ks = keys(1, 2)
+    cluster.fill(ks, [0, 1])
+    wait_for(c, {c.store(ks, [0, 1]).job_id})
+    worker = cluster.node.children["worker0"]
+    worker.proc.send_signal(signal.SIGSTOP)
+    load = c.load(ks, [2, 3])
+    worker.proc.send_signal(signal.SIGKILL)
+    result = wait_for(c, {load.job_id}, timeout=10)[load.job_id]
+    assert not result.success and result.error_code in ("unavailable", "timeout")
+    # The readers of the failed load were released; a new store is refused cleanly.
+    with pytest.raises(RemoteError) as e:
+        c.store(keys(5), [5])
+    assert e.value.code == "unavailable"
+    assert c.stats()["cpu"]["blocks_ready"] == 2
+
+
+def test_broker_gone_means_broker_unavailable_within_timeout(make_cluster):
+    cluster = make_cluster()
+    c = Client(cluster.config.address("client"), timeout=0.5)
+    assert c.lookup(keys(1)).hits == 0
+    cluster.node.kill("broker", signal.SIGKILL)
+    cluster.node.children["broker"].proc.wait(5)
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match="within 0.5s"):
+        c.lookup(keys(1))
+    assert time.monotonic() - t0 < 2.0
+    c.close()

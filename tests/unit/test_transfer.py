@@ -1,0 +1,424 @@
+"""The transfer engine on CPU: real shared memory for the KV cache and the CPU tier,
+one engine per rank; and the CUDA backend's planning logic on CPU stand-ins."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import workers.transfer_cpu as transfer_cpu
+from tierkv.engine import KVLayout, OpenedKV, allocate_kv_cache, open_kv_cache
+from tierkv.protocol import TransferJob, TransferOutcome
+from tierkv.shm import SharedRegion
+from workers.transfer import TransferEngine, TransferError, runs
+
+NUM_BLOCKS = 24  # KV cache blocks
+CPU_BLOCKS = 20  # CPU-tier rows
+
+LAYOUTS = {
+    # 3 layers, pieces of 4*2*8*2 = 128 bytes: page 768 bytes, rows padded to 4 KiB
+    "per_layer": lambda n=NUM_BLOCKS: KVLayout.per_layer(3, n, 4, 2, 8, "float16"),
+    # one tensor, a block is one 1536-byte slice (2 pages = 3072 B, padded)
+    "blocks_outer": lambda n=NUM_BLOCKS: KVLayout.blocks_outer(n, 3, 2, 4, 16, "bfloat16"),
+}
+
+
+def page_of(kv: OpenedKV, block: int) -> bytes:
+    """The page layout, written independently of the engine: tensor after tensor,
+    the block's slice in row-major order."""
+    d = kv.layout.block_dim
+    return b"".join(
+        t.select(d, block).contiguous().view(torch.uint8).numpy().tobytes() for t in kv.tensors
+    )
+
+
+def fill_random(kv: OpenedKV, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                dtype=torch.uint8, generator=gen))
+
+
+def zero_blocks(kv: OpenedKV, blocks: list[int]) -> None:
+    for t in kv.tensors:
+        t.index_fill_(kv.layout.block_dim, torch.tensor(blocks), 0)
+
+
+def run(engine: TransferEngine, *jobs: TransferJob) -> dict[int, TransferOutcome]:
+    for job in jobs:
+        engine.submit(job)
+    out = engine.wait(timeout=30)
+    assert engine.in_flight == 0
+    assert sorted(o.job_id for o in out) == sorted(j.job_id for j in jobs)  # once each
+    return {o.job_id: o for o in out}
+
+
+class Rank:
+    """One rank: its engine-side KV cache, the worker's view of it, its engine."""
+
+    def __init__(self, instance: str, rank: int, region: SharedRegion, layout: KVLayout):
+        self.cache = allocate_kv_cache(instance, rank, layout)
+        self.kv = open_kv_cache(self.cache.registration())
+        self.engine = TransferEngine(region, rank, "cpu")
+        self.engine.attach(self.kv)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.kv.close()
+        self.cache.close()
+
+
+@contextlib.contextmanager
+def ranks(instance: str, layout: KVLayout, world_size: int) -> Iterator[
+    tuple[SharedRegion, list[Rank]]
+]:
+    """A region (owned) and, per rank, an attached view of it like a worker has."""
+    region = SharedRegion.create(instance, CPU_BLOCKS, layout.page_size, world_size)
+    attached = [SharedRegion.attach(instance) for _ in range(world_size)]
+    made: list[Rank] = []
+    try:
+        for r in range(world_size):
+            made.append(Rank(instance, r, attached[r], layout))
+        yield region, made
+    finally:
+        for rank in made:
+            rank.close()
+        for a in attached:
+            a.close()
+        region.close()
+        region.unlink()
+
+
+# -- round trips -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_store_zero_load_is_bit_exact(instance, kind, world_size):
+    layout = LAYOUTS[kind]()
+    rng = np.random.default_rng(7)
+    with ranks(instance, layout, world_size) as (region, rs):
+        region.numpy()[:] = 0xAB  # sentinel: nobody may touch bytes outside its page
+        for r, rank in enumerate(rs):
+            fill_random(rank.kv, seed=r)
+        others = rng.permutation([g for g in range(NUM_BLOCKS) if not 5 <= g < 10])
+        gpu = [*others[:3].tolist(), 5, 6, 7, 8, 9, *others[3:7].tolist()]  # scattered + a run
+        cpu = [*rng.choice(CPU_BLOCKS, 8, replace=False).tolist()]
+        cpu += [c for c in range(CPU_BLOCKS) if c not in cpu][:4]
+        before = [[page_of(rank.kv, g) for g in gpu] for rank in rs]
+        for r, rank in enumerate(rs):
+            out = run(rank.engine, TransferJob(1, "store", gpu, cpu))
+            assert out[1].success and out[1].bytes_moved == 12 * layout.page_size
+            if r == 0 and world_size == 2:  # rank 0 wrote its pages only
+                assert (region.numpy_pages(1) == 0xAB).all()
+        for r in range(world_size):
+            assert [bytes(region.page(c, r)) for c in cpu] == before[r]
+        untouched = [c for c in range(CPU_BLOCKS) if c not in cpu]
+        assert (region.numpy()[untouched] == 0xAB).all()
+        assert (region.numpy()[:, world_size * layout.page_size:] == 0xAB).all()  # padding
+
+        target = rng.permutation(NUM_BLOCKS)[:12].tolist()
+        for rank in rs:
+            zero_blocks(rank.kv, gpu)
+            zero_blocks(rank.kv, target)
+            out = run(rank.engine, TransferJob(2, "load", target, cpu))
+            assert out[2].success
+        for r, rank in enumerate(rs):
+            assert [page_of(rank.kv, g) for g in target] == before[r]
+
+
+def test_consecutive_and_scattered_paths_agree(instance, monkeypatch):
+    """The same job through slice copies, fancy assignment and chunked gathers."""
+    layout = LAYOUTS["per_layer"]()
+    gpu = [0, 1, 2, 3, 10, 11, 12, 5, 7, 9, 20, 21]
+    cpu = [4, 5, 6, 7, 0, 2, 1, 19, 18, 17, 8, 9]
+    results = []
+    for min_run, chunk in ((1, 1 << 20), (1 << 30, 256), (1 << 30, 1 << 20)):
+        monkeypatch.setattr(transfer_cpu, "MIN_RUN_BYTES", min_run)
+        monkeypatch.setattr(transfer_cpu, "CHUNK_BYTES", chunk)
+        with ranks(f"{instance}{min_run}", layout, 1) as (region, (rank,)):
+            fill_random(rank.kv, seed=3)
+            assert run(rank.engine, TransferJob(1, "store", gpu, cpu))[1].success
+            assert all(bytes(region.page(c)) == page_of(rank.kv, g)
+                       for g, c in zip(gpu, cpu, strict=True))
+            results.append(region.numpy().copy())
+    assert all((r == results[0]).all() for r in results)
+
+
+def test_runs():
+    starts, lengths = runs(np.array([3, 4, 5, 9, 2, 3, 7]))
+    assert starts.tolist() == [0, 3, 4, 6]
+    assert lengths.tolist() == [3, 1, 2, 1]
+    assert [x.tolist() for x in runs(np.array([], dtype=np.int64))] == [[], []]
+
+
+# -- bad jobs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("job", "code", "match"),
+    [
+        (TransferJob(1, "store", [0, NUM_BLOCKS], [0, 1]), "bad_request", "gpu block id 24"),
+        (TransferJob(1, "store", [0, 1], [0, CPU_BLOCKS]), "bad_request", "cpu block id 20"),
+        (TransferJob(1, "load", [-1], [0]), "bad_request", "gpu block id -1 out of range"),
+        (TransferJob(1, "store", [0, 1], [2]), "bad_request", "2 gpu ids but 1 cpu ids"),
+        (TransferJob(1, "store", [0, 1], [2, 2]), "bad_request", "destination twice"),
+        (TransferJob(1, "load", [3, 3], [1, 2]), "bad_request", "destination twice"),
+        (TransferJob(1, "swap", [0], [0]), "bad_request", "direction"),
+        (TransferJob(1, "store", [0], [0], deadline=time.monotonic() - 1), "timeout", "deadline"),
+    ],
+)
+def test_bad_jobs_fail_cleanly_and_copy_nothing(instance, job, code, match):
+    layout = LAYOUTS["per_layer"]()
+    with ranks(instance, layout, 1) as (region, (rank,)):
+        fill_random(rank.kv, seed=1)
+        kv_before = [t.clone() for t in rank.kv.tensors]
+        out = run(rank.engine, job)[1]
+        assert not out.success and out.error_code == code
+        assert match in out.error
+        assert not region.numpy().any()
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(kv_before, rank.kv.tensors, strict=True))
+        # the engine keeps serving
+        assert run(rank.engine, TransferJob(2, "store", [1], [1]))[2].success
+
+
+def test_no_kv_attached_is_unavailable(instance):
+    with SharedRegion.create(instance, 4, 768) as region, TransferEngine(region, 0) as engine:
+        engine.submit(TransferJob(5, "store", [0], [0]))
+        (out,) = engine.poll()
+        assert (out.job_id, out.success, out.error_code) == (5, False, "unavailable")
+        assert engine.in_flight == 0
+
+
+def test_empty_job_succeeds(instance):
+    with ranks(instance, LAYOUTS["per_layer"](), 1) as (_, (rank,)):
+        assert run(rank.engine, TransferJob(1, "load", [], []))[1].success
+
+
+def test_deadline_checked_when_the_job_starts(instance, monkeypatch):
+    """A job queued behind a slow one times out if its deadline passes meanwhile."""
+    layout = LAYOUTS["per_layer"]()
+    real = transfer_cpu.copy_blocks
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transfer_cpu, "copy_blocks", slow)
+    with ranks(instance, layout, 1) as (region, (rank,)):
+        out = run(rank.engine, TransferJob(1, "store", [0], [0]),
+                  TransferJob(2, "store", [1], [1], deadline=time.monotonic() + 0.05))
+        assert out[1].success
+        assert (out[2].success, out[2].error_code) == (False, "timeout")
+        assert not region.numpy()[1].any()
+
+
+def test_attach_checks_page_size_and_reattach_replaces(instance):
+    layout = LAYOUTS["per_layer"]()
+    with ranks(instance, layout, 1) as (region, (rank,)):
+        other = KVLayout.per_layer(2, NUM_BLOCKS, 4, 2, 8, "float16")
+        with allocate_kv_cache(instance, 1, other) as cache, open_kv_cache(
+            cache.registration()
+        ) as kv:
+            with pytest.raises(TransferError, match="page_size 512 .* page_size 768"):
+                rank.engine.attach(kv)
+        fill_random(rank.kv, seed=1)
+        assert run(rank.engine, TransferJob(1, "store", [2], [3]))[1].success
+        first = bytes(region.page(3))
+        # engine restart: a new cache and registration; the worker swaps, then closes
+        with allocate_kv_cache(instance, 2, layout) as cache:
+            new = open_kv_cache(cache.registration())
+            fill_random(new, seed=2)
+            rank.engine.attach(new)
+            rank.kv.close()
+            rank.kv = new
+            assert run(rank.engine, TransferJob(2, "store", [2], [3]))[2].success
+            assert bytes(region.page(3)) == page_of(new, 2) != first
+            rank.engine.detach()
+            new.close()
+            rank.engine.submit(TransferJob(3, "store", [0], [0]))
+            assert rank.engine.poll()[0].error_code == "unavailable"
+
+
+def test_device_and_rank_checks(instance):
+    with SharedRegion.create(instance, 4, 768, world_size=2) as region:
+        with pytest.raises(TransferError, match="rank 2 out of range"):
+            TransferEngine(region, 2)
+        with pytest.raises(TransferError, match="device must be"):
+            TransferEngine(region, 0, "tpu")
+        cache = allocate_kv_cache(instance, 0, LAYOUTS["per_layer"](4))
+        kv = open_kv_cache(cache.registration())
+        with TransferEngine(region, 0, "cuda") as engine:
+            with pytest.raises(TransferError, match="copies for cuda, the KV cache is on cpu"):
+                engine.attach(kv)
+        kv.close()
+        cache.close()
+
+
+def test_loads_run_before_waiting_stores_and_close_fails_queued(instance, monkeypatch):
+    layout = LAYOUTS["per_layer"]()
+    order: list[str] = []
+    real = transfer_cpu.copy_blocks
+
+    def tracking(src, dst, src_ids, dst_ids):
+        order.append("load" if dst is rank.engine._backend._views[0] else "store")
+        time.sleep(0.05)
+        return real(src, dst, src_ids, dst_ids)
+
+    monkeypatch.setattr(transfer_cpu, "copy_blocks", tracking)
+    with ranks(instance, layout, 1) as (_, (rank,)):
+        e = rank.engine
+        e.submit(TransferJob(1, "store", [0], [0]))  # starts at once
+        time.sleep(0.01)
+        e.submit(TransferJob(2, "store", [1], [1]))
+        e.submit(TransferJob(3, "load", [2], [0]))
+        assert e.in_flight == 3
+        out = {o.job_id: o for o in e.wait()}
+        assert all(o.success for o in out.values())
+        assert order == ["store", "load", "store"]
+        for i in range(4, 8):
+            e.submit(TransferJob(i, "store", [i], [i]))
+        deadline = time.monotonic() + 10
+        while len(order) < 4 and time.monotonic() < deadline:  # job 4 is running
+            time.sleep(0.001)
+        e.close()
+        out = {o.job_id: o for o in e.poll()}
+        assert sorted(out) == [4, 5, 6, 7]
+        assert out[4].success  # it was running
+        assert {o.error_code for o in out.values() if not o.success} <= {"unavailable"}
+        e.submit(TransferJob(9, "store", [0], [0]))
+        assert e.poll()[0].error_code == "unavailable"
+        assert e.in_flight == 0
+
+
+# -- random job sequences vs a model -----------------------------------------------------------
+
+job_strategy = st.tuples(
+    st.sampled_from(["store", "load"]),
+    st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=0, max_size=10, unique=True),
+    st.lists(st.integers(0, CPU_BLOCKS - 1), min_size=10, max_size=10, unique=True),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(sorted(LAYOUTS)), world_size=st.sampled_from([1, 2]),
+       jobs=st.lists(job_strategy, min_size=1, max_size=6))
+def test_random_jobs_match_a_numpy_model(kind, world_size, jobs):
+    layout = LAYOUTS[kind]()
+    page = layout.page_size
+    instance = f"t{uuid.uuid4().hex[:12]}"
+    with ranks(instance, layout, world_size) as (region, rs):
+        for r, rank in enumerate(rs):
+            fill_random(rank.kv, seed=r)
+        kv_model = [np.frombuffer(b"".join(page_of(rank.kv, g) for g in range(NUM_BLOCKS)),
+                                  np.uint8).reshape(NUM_BLOCKS, page).copy() for rank in rs]
+        region_model = np.zeros((CPU_BLOCKS, world_size, page), np.uint8)
+        for job_id, (direction, gpu, cpu) in enumerate(jobs):
+            cpu = cpu[: len(gpu)]
+            for r, rank in enumerate(rs):
+                assert run(rank.engine, TransferJob(job_id, direction, gpu, cpu))[job_id].success
+                if direction == "store":
+                    region_model[cpu, r] = kv_model[r][gpu]
+                else:
+                    kv_model[r][gpu] = region_model[cpu, r]
+        for r, rank in enumerate(rs):
+            assert (region.numpy_pages(r) == region_model[:, r]).all()
+            actual = [page_of(rank.kv, g) for g in range(NUM_BLOCKS)]
+            assert actual == [kv_model[r][g].tobytes() for g in range(NUM_BLOCKS)]
+
+
+# -- the CUDA backend's logic, with CPU stand-ins for streams, events and DMA ---------------
+
+
+class _FakeStream:
+    cuda_stream = 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.recorded = False
+
+    def record(self, stream: object = None) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.recorded
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return 0.5
+
+
+def _fake_memcpy2d(dst, dpitch, src, spitch, width, height, stream):  # noqa: ANN001
+    for row in range(height):
+        ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Run CudaBackend on CPU tensors: every CUDA call it makes becomes a no-op or a
+    host memmove, so the gather / DMA-run / scatter planning is checked here."""
+    import workers.transfer_cuda as tc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(tc, "pin_host", lambda ptr, size: True)
+    monkeypatch.setattr(tc, "unpin_host", lambda ptr: None)
+    monkeypatch.setattr(tc, "cuda_runtime", lambda: object())
+    monkeypatch.setattr(tc, "memcpy2d_async", _fake_memcpy2d)
+    return tc
+
+
+@pytest.mark.parametrize("no_2d", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_cuda_backend_plan_on_cpu(instance, fake_cuda, monkeypatch, kind, world_size, no_2d):
+    if no_2d:
+        monkeypatch.setenv("TIERKV_CUDA_NO_MEMCPY2D", "1")
+    layout = LAYOUTS[kind]()
+    # a 4 KiB page makes world_size 1 rows contiguous (one plain copy per run)
+    if world_size == 1 and kind == "per_layer":
+        layout = KVLayout.per_layer(4, NUM_BLOCKS, 4, 4, 8, "float16")
+    rng = np.random.default_rng(world_size)
+    with SharedRegion.create(instance, CPU_BLOCKS, layout.page_size, world_size) as region:
+        region.numpy()[:] = 0xAB
+        for r in range(world_size):
+            tensors = [torch.empty(s, dtype=layout.torch_dtype()) for s in layout.tensor_shapes]
+            kv = OpenedKV.local(tensors, layout)
+            fill_random(kv, seed=r)
+            staging = 5 * layout.page_size  # chunks of 5 blocks: several per job
+            backend = fake_cuda.CudaBackend(region, r, staging_bytes=staging)
+            backend.attach(kv)
+            gpu = rng.permutation(NUM_BLOCKS)[:13].tolist()
+            cpu = [2, 3, 4, 5, 6, 7, 0, 11, 10, 9, 15, 19, 18]
+            want = [page_of(kv, g) for g in gpu]
+            backend.submit(TransferJob(1, "store", gpu, cpu), np.array(gpu), np.array(cpu))
+            assert [o.success for o in backend.poll()] == [True]
+            assert [bytes(region.page(c, r)) for c in cpu] == want
+            if r == 0 and world_size == 2:
+                assert (region.numpy_pages(1) == 0xAB).all()
+            zero_blocks(kv, list(range(NUM_BLOCKS)))
+            target = rng.permutation(NUM_BLOCKS)[:13].tolist()
+            backend.submit(TransferJob(2, "load", target, cpu), np.array(target), np.array(cpu))
+            (out,) = backend.poll()
+            assert out.success and out.seconds == 0.0005
+            assert [page_of(kv, g) for g in target] == want
+            backend.close()
+        assert (region.numpy()[:, world_size * layout.page_size:] == 0xAB).all()

@@ -1,0 +1,218 @@
+"""What every worker-side process shares: its link to the broker and its lifetime.
+
+`BrokerLink` is one DEALER session: hello -> welcome (or refused), heartbeats that
+ride the data socket (any message counts; one is sent only after an idle
+interval), and the verdict "broker lost" after 3 silent intervals.
+
+`PeerService` runs sessions in a loop: when the broker is lost the process closes
+its socket, backs off exponentially and says hello again (a restarted broker has a
+new region, so a session attaches it anew). It stops on SIGTERM/SIGINT (handlers
+only flip a flag) or when the supervisor's lifeline closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from types import FrameType
+
+import zmq
+
+from tierkv.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.protocol import (
+    Bye,
+    Heartbeat,
+    Message,
+    ProtocolError,
+    Refused,
+    Welcome,
+    decode,
+    encode,
+)
+from tierkv.shm import RegionError, SharedRegion
+from tierkv.sockets import connect, make_socket
+
+log = logging.getLogger("tierkv.link")
+
+
+class BrokerLost(Exception):
+    """The broker stopped answering or said goodbye; reconnect."""
+
+
+class LinkRefused(Exception):
+    """The broker refused our hello; the reason is the message."""
+
+
+class BrokerLink:
+    def __init__(self, address: str, identity: bytes, heartbeat_s: float,
+                 allowed: frozenset[str]) -> None:
+        self.address = address
+        self.heartbeat_s = heartbeat_s
+        self.allowed = allowed
+        self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=identity)
+        connect(self.sock, address)
+        self.last_seen = time.monotonic()
+        self.last_sent = 0.0
+        self.welcome: Welcome | None = None
+
+    def handshake(self, hello: Message, timeout: float, *after_hello: Message) -> Welcome:
+        """Send hello (and the messages that belong with it), wait for the answer."""
+        self.send(hello)
+        for msg in after_hello:
+            self.send(msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in self.receive(min(0.2, deadline - time.monotonic())):
+                if isinstance(msg, Welcome):
+                    self.welcome = msg
+                    self.heartbeat_s = msg.heartbeat_s
+                    return msg
+                if isinstance(msg, Refused):
+                    raise LinkRefused(msg.reason)
+        raise BrokerLost(f"no welcome from {self.address} within {timeout:.0f}s")
+
+    def send(self, msg: Message) -> None:
+        try:
+            self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise BrokerLost("the broker is not taking messages") from None
+        self.last_sent = time.monotonic()
+
+    def receive(self, timeout: float) -> Iterator[Message]:
+        """Messages that arrive within `timeout` (all that are queued, once one is)."""
+        if not self.sock.poll(max(0, int(timeout * 1000))):
+            return
+        while True:
+            try:
+                payload = self.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.last_seen = time.monotonic()
+            try:
+                msg = decode(payload, self.allowed)
+            except ProtocolError as e:
+                log.warning("dropped a malformed message from the broker: %s", e)
+                continue
+            if isinstance(msg, Bye):
+                raise BrokerLost(f"broker said bye ({msg.reason})")
+            if isinstance(msg, Heartbeat):
+                continue
+            yield msg
+
+    def keep_alive(self) -> None:
+        now = time.monotonic()
+        if now - self.last_seen > 3 * self.heartbeat_s:
+            raise BrokerLost(f"broker silent for {now - self.last_seen:.1f}s")
+        if now - self.last_sent >= self.heartbeat_s:
+            self.send(Heartbeat())
+
+    def close(self, reason: str = "") -> None:
+        try:
+            if reason:
+                self.sock.send(encode(Bye(reason)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.sock.close(linger=0)
+
+
+class PeerService(ABC):
+    """A process that serves the broker: a gpu worker or a tier process."""
+
+    component = "peer"
+
+    def __init__(self, instance: str, address: str, heartbeat_s: float,
+                 connect_timeout_s: float) -> None:
+        self.instance = instance
+        self.address = address
+        self.heartbeat_s = heartbeat_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stopping = False
+        self.sessions = 0
+        self._lifeline = lifeline_fd()
+        self._announced = False
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def run(self) -> int:
+        backoff = 0.1
+        while not self.stopping:
+            try:
+                region = self._attach_region()
+            except RegionError as e:
+                if self._wait(backoff):
+                    break
+                backoff = min(backoff * 2, 5.0)
+                log.info("waiting for the broker's region: %s", e)
+                continue
+            self.sessions += 1
+            link: BrokerLink | None = None
+            try:
+                link = self.open_session(region)
+                backoff = 0.1
+                if not self._announced:
+                    notify_ready(f"{self.component} session {self.sessions}")
+                    self._announced = True
+                self.serve(link)
+            except LinkRefused as e:
+                log.error("the broker refused us: %s", e)
+                self.end_session(region)
+                return 1
+            except BrokerLost as e:
+                log.warning("lost the broker: %s; reconnecting", e)
+            finally:
+                if link is not None:
+                    link.close("stopping" if self.stopping else "")
+            self.end_session(region)
+            if not self.stopping and self._wait(backoff):
+                break
+            backoff = min(backoff * 2, 5.0)
+        return 0
+
+    def _attach_region(self) -> SharedRegion:
+        return SharedRegion.attach(self.instance)
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep unless asked to stop; True if we should stop."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stopping or self.parent_died(0):
+                return True
+            time.sleep(min(0.05, seconds))
+        return self.stopping
+
+    def parent_died(self, timeout: float) -> bool:
+        if self._lifeline is None:
+            return False
+        import select
+
+        readable, _, _ = select.select([self._lifeline], [], [], timeout)
+        if readable and parent_gone(self._lifeline):
+            log.warning("supervisor is gone: stopping")
+            self.stopping = True
+            self._lifeline = None
+            return True
+        return False
+
+    def identity(self) -> bytes:
+        return f"{self.component}:{os.getpid()}:{self.sessions}".encode()
+
+    @abstractmethod
+    def open_session(self, region: SharedRegion) -> BrokerLink:
+        """Say hello with this region; return the welcomed link."""
+
+    @abstractmethod
+    def serve(self, link: BrokerLink) -> None:
+        """Serve until stopping (return) or the broker is lost (raise BrokerLost)."""
+
+    @abstractmethod
+    def end_session(self, region: SharedRegion) -> None:
+        """Release everything that views `region`, then close it."""

@@ -1,0 +1,231 @@
+"""A tier process: `tierkv-tier --type disk -c tierkv.toml` (or `python -m workers.tier_worker`).
+
+The generic loop of every secondary tier: hello with the backend's inventory,
+then credit-based pull of job batches, run on a pool of threads by `JobRunner`
+against zero-copy views of the shared region, completions pushed back in
+batches, heartbeats, clean shutdown. Only the backend knows the medium.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from tierkv.config import Config, ConfigError, load_config, tier_name
+from tierkv.errors import ErrorCode, TierError
+from tierkv.logs import setup_logging
+from tierkv.protocol import (
+    Inventory,
+    Ready,
+    TierDoneBatch,
+    TierHello,
+    TierJobBatch,
+    TierStats,
+)
+from tierkv.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.tiers.backend import TierBackend
+from tierkv.tiers.base import JobResult
+from tierkv.tiers.registry import TierConfigError, create_backend
+from tierkv.tiers.runner import JobRunner
+from workers.link import BrokerLink, LinkRefused, PeerService
+
+log = logging.getLogger("tierkv.tier")
+
+TIER_BROKER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
+INVENTORY_CHUNK = 50_000
+FLUSH_S = 0.001  # how often finished jobs are pushed back while work is in flight
+STATS_S = 1.0  # how often the backend's own figures go to the broker
+
+
+class TierService(PeerService):
+    component = "tier"
+
+    def __init__(self, config: Config, entry: dict[str, Any], threads: int, credit: int) -> None:
+        super().__init__(config.instance, config.address("tier"), config.broker.heartbeat_s,
+                         config.supervisor.ready_timeout_s)
+        self.config = config
+        self.entry = entry
+        self.name = tier_name(entry)
+        self.component = f"tier:{self.name}"
+        self.threads = threads
+        self.credit = credit
+        self.backend: TierBackend | None = None
+        self.runner: JobRunner | None = None
+        self._block_bytes = 0
+
+    def _backend(self, region: SharedRegion) -> TierBackend:
+        """Created once, at the first session: the medium outlives broker restarts."""
+        if self.backend is not None and self._block_bytes != region.block_bytes:
+            raise TierConfigError(
+                f"the broker's blocks are now {region.block_bytes} bytes, this tier holds "
+                f"{self._block_bytes}-byte blocks: restart the tier"
+            )
+        if self.backend is None:
+            self.backend = create_backend(
+                self.entry, block_bytes=region.block_bytes, namespace=self.config.namespace,
+                instance=self.config.instance, name=self.name,
+            )
+            self._block_bytes = region.block_bytes
+        return self.backend
+
+    def open_session(self, region: SharedRegion) -> BrokerLink:
+        backend = self._backend(region)
+        inventory = backend.inventory()
+        pid = os.getpid()
+        hello = TierHello(
+            self.name, backend.type_name, pid, process_start_time(pid) or 0,
+            shared=backend.shared, capacity_bytes=backend.capacity(),
+            namespace=self.config.namespace, inventory_total=len(inventory),
+        )
+        chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],
+                            last=i + INVENTORY_CHUNK >= len(inventory))
+                  for i in range(0, len(inventory), INVENTORY_CHUNK)] or [Inventory([], True)]
+        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TIER_BROKER_OPS)
+        try:
+            welcome = link.handshake(hello, self.connect_timeout_s, *chunks)
+            layout = RegionLayout(welcome.num_blocks, welcome.page_size, welcome.world_size)
+            if layout != region.layout:
+                raise LinkRefused(f"the broker's layout {layout} is not the region's "
+                                      f"{region.layout}")
+            self.runner = JobRunner(backend, region, threads=self.threads)
+            link.send(Ready(self.credit))
+        except BaseException:
+            link.close()
+            raise
+        log.info("serving tier %s (%s) for %s with %d threads, %d blocks held", self.name,
+                 backend.type_name, self.instance, self.threads, len(inventory))
+        return link
+
+    def serve(self, link: BrokerLink) -> None:
+        runner = self.runner
+        assert runner is not None
+        next_stats = 0.0
+        while not self.stopping:
+            if time.monotonic() >= next_stats:
+                link.send(TierStats(self._stats(runner)))
+                next_stats = time.monotonic() + STATS_S
+            wait = FLUSH_S if runner.in_flight else self.heartbeat_s / 2
+            for msg in link.receive(wait):
+                if isinstance(msg, TierJobBatch):
+                    self._accept(msg, runner)
+            self._push(link, runner)
+            link.keep_alive()
+            self.parent_died(0)
+        # Stopping: finish what we hold and report it, then say goodbye.
+        runner.drain(self.config.broker.drain_timeout_s)
+        self._push(link, runner)
+
+    def _stats(self, runner: JobRunner) -> dict[str, Any]:
+        assert self.backend is not None
+        return {**self.backend.stats(), "pid": os.getpid(), "type": self.backend.type_name,
+                "in_flight": runner.in_flight}
+
+    def _accept(self, batch: TierJobBatch, runner: JobRunner) -> None:
+        now = time.monotonic()
+        for i, job in enumerate(batch.jobs):
+            deadline = batch.deadlines[i] if i < len(batch.deadlines) else 0.0
+            if deadline and now > deadline:
+                runner.report(JobResult(job.job_id, False, error_code=ErrorCode.TIMEOUT,
+                                        error="deadline passed before the job started"))
+                continue
+            try:
+                runner.submit(job)
+            except ValueError as e:
+                runner.report(JobResult(job.job_id, False, error_code=ErrorCode.BAD_REQUEST,
+                                        error=str(e)))
+
+    def _push(self, link: BrokerLink, runner: JobRunner) -> None:
+        results = runner.take_finished()
+        if results:
+            link.send(TierDoneBatch(results, credit=len(results)))
+
+    def end_session(self, region: SharedRegion) -> None:
+        if self.runner is not None:
+            self.runner.drain(self.config.broker.drain_timeout_s)
+            self.runner.close()
+            self.runner.rows = None
+            self.runner = None
+        region.close()
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierkv-tier", description="a tierkv tier process")
+    parser.add_argument("--type", help="tier type (memory, disk, s3, ...)")
+    parser.add_argument("--name", help="the tier's name in the config (default: its type)")
+    parser.add_argument("-c", "--config", help="tierkv.toml")
+    parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="a backend option (repeatable); overrides the config entry")
+    parser.add_argument("--threads", type=int, default=None, help="I/O threads (default 8)")
+    parser.add_argument("--credit", type=int, default=None,
+                        help="jobs the broker may send ahead (default 4 x threads)")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    return parser
+
+
+def _parse_opt(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--opt {text!r} must be KEY=VALUE")
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    return key, value
+
+
+def resolve_entry(config: Config, name: str | None, type_: str | None,
+                  opts: list[str]) -> dict[str, Any]:
+    if name is None and type_ is None:
+        raise ConfigError("give --type or --name")
+    entry: dict[str, Any] | None = None
+    for candidate in config.tiers:
+        if (name and tier_name(candidate) == name) or (not name and candidate["type"] == type_):
+            entry = dict(candidate)
+            break
+    if entry is None:
+        if type_ is None:
+            raise ConfigError(f"{config.source}: no tier named {name!r}")
+        entry = {"type": type_, "name": name or type_}
+    if type_ is not None and entry["type"] != type_:
+        raise ConfigError(f"tier {name!r} is of type {entry['type']!r}, not {type_!r}")
+    entry.update(_parse_opt(o) for o in opts)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+        entry = resolve_entry(config, args.name, args.type, args.opt)
+        threads = args.threads or int(entry.get("threads", 8))
+        credit = args.credit or 4 * threads
+        if threads < 1 or credit < 1:
+            raise ConfigError("--threads and --credit must be positive")
+    except ConfigError as e:
+        print(f"tierkv-tier: {e}", file=sys.stderr)
+        return 2
+    setup_logging(f"tier:{tier_name(entry)}", config.log_level, args.verbose)
+    service = TierService(config, entry, threads, credit)
+    service.install_signals()
+    try:
+        return service.run()
+    except (TierConfigError, TierError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

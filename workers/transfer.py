@@ -1,0 +1,296 @@
+"""The gpu worker's copy engine: moves KV blocks between the engine's KV cache and
+this rank's pages of the CPU tier. It knows no sockets; `workers/gpu_worker.py`
+feeds it jobs and ships its outcomes.
+
+Threads: every public method is called from the worker's main (socket) thread and
+never blocks for long, except `attach` and `close`, which wait for the jobs in
+flight. Copies run elsewhere: on a background thread for CPU KV caches
+(`transfer_cpu`), on the worker's own CUDA streams for CUDA KV caches
+(`transfer_cuda`).
+
+A job copies ``gpu_block_ids[j] <-> cpu_block_ids[j]`` for every j; "store" is KV
+cache -> CPU tier, "load" is CPU tier -> KV cache. Only page `rank` of each CPU-tier
+row is touched, so the workers of all ranks share one region. The bytes of a block
+inside a page follow `tierkv.engine` (the page layout is defined there only).
+
+Ordering contract (the client, the broker and the engine rely on it):
+
+* Jobs of one direction run in submission order; loads and stores may overlap each
+  other (the broker never lets a load read a CPU block that is being written).
+  The CPU backend runs waiting loads before waiting stores.
+* Store: the client asks to store a block only after the engine step that wrote it
+  has synchronized its output on the host (the sampled tokens reached the CPU), so
+  every write to the block is complete and visible to another stream or process.
+  The engine must not reuse a stored GPU block until the client saw the store
+  finish.
+* Load: a load is complete for the engine only when the client sees the job
+  finished (a `step` result), which follows the worker observing the job's CUDA
+  event complete. The engine reads the loaded blocks on a later step; no
+  cross-process CUDA event is shared (simpler, and a step boundary is already a
+  host synchronization in every engine we target).
+
+Invalid jobs — ids out of range, lengths that differ, a duplicate destination id,
+no KV cache attached, a deadline already passed — fail with a `TransferOutcome`
+(codes from `tierkv.errors.ErrorCode`) and copy nothing; submit and poll never
+raise for a bad job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from tierkv.errors import ErrorCode
+from tierkv.protocol import TransferJob, TransferOutcome
+
+if TYPE_CHECKING:
+    from tierkv.engine import OpenedKV
+    from tierkv.shm import SharedRegion
+
+log = logging.getLogger("tierkv.transfer")
+
+DIRECTIONS = ("store", "load")
+
+
+class TransferError(RuntimeError):
+    """The engine cannot be set up as asked (attach, device); the message says why."""
+
+
+class JobError(Exception):
+    """Why one job fails; becomes a `TransferOutcome`, never escapes the engine."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def failed(job_id: int, code: ErrorCode, message: str) -> TransferOutcome:
+    return TransferOutcome(job_id=job_id, success=False, error_code=code.value, error=message)
+
+
+def runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the maximal runs of consecutive ids (``ids[k+1] ==
+    ids[k] + 1``) in `ids`, in order."""
+    if len(ids) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(ids)]))
+    return starts, ends - starts
+
+
+def check_deadline(job: TransferJob, now: float | None = None) -> None:
+    if job.deadline and (time.monotonic() if now is None else now) >= job.deadline:
+        raise JobError(
+            ErrorCode.TIMEOUT,
+            f"job {job.job_id}: its deadline passed before it started "
+            f"({time.monotonic() - job.deadline:.3f} s ago)",
+        )
+
+
+def validate(
+    job: TransferJob, kv: OpenedKV | None, cpu_blocks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check a job against the attached KV cache and the region; the ids as int64
+    arrays (gpu, cpu). Raises JobError."""
+    if job.direction not in DIRECTIONS:
+        raise JobError(ErrorCode.BAD_REQUEST, f"job {job.job_id}: direction {job.direction!r}")
+    if kv is None or kv.closed:
+        raise JobError(
+            ErrorCode.UNAVAILABLE, f"job {job.job_id}: no KV cache is attached (engine not "
+            "registered yet, or it restarted)"
+        )
+    if len(job.gpu_block_ids) != len(job.cpu_block_ids):
+        raise JobError(
+            ErrorCode.BAD_REQUEST,
+            f"job {job.job_id}: {len(job.gpu_block_ids)} gpu ids but "
+            f"{len(job.cpu_block_ids)} cpu ids",
+        )
+    try:
+        gpu = np.asarray(job.gpu_block_ids, dtype=np.int64).reshape(-1)
+        cpu = np.asarray(job.cpu_block_ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise JobError(ErrorCode.BAD_REQUEST, f"job {job.job_id}: block ids: {e}") from None
+    _check_range(job.job_id, "gpu", gpu, kv.layout.num_blocks)
+    _check_range(job.job_id, "cpu", cpu, cpu_blocks)
+    dest, name = (cpu, "cpu") if job.direction == "store" else (gpu, "gpu")
+    if len(np.unique(dest)) != len(dest):
+        raise JobError(
+            ErrorCode.BAD_REQUEST, f"job {job.job_id}: a {name} block id is a destination twice"
+        )
+    check_deadline(job)
+    return gpu, cpu
+
+
+def _check_range(job_id: int, name: str, ids: np.ndarray, limit: int) -> None:
+    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+        bad = int(ids[(ids < 0) | (ids >= limit)][0])
+        raise JobError(
+            ErrorCode.BAD_REQUEST,
+            f"job {job_id}: {name} block id {bad} out of range [0, {limit})",
+        )
+
+
+class Backend(Protocol):
+    """One device kind's copy machinery. Methods run on the worker's main thread."""
+
+    kind: str
+
+    def attach(self, kv: OpenedKV | None) -> None:
+        """Wait for the jobs in flight, then use `kv` (None: let go of the old one)."""
+
+    def submit(self, job: TransferJob, gpu: np.ndarray, cpu: np.ndarray) -> None:
+        """Queue a validated job; never blocks for its copy."""
+
+    def poll(self) -> list[TransferOutcome]:
+        """Finished jobs, each once; never blocks."""
+
+    def close(self) -> None:
+        """Stop; jobs not started are reported as failed by the next poll."""
+
+
+class TransferEngine:
+    """Copies blocks for one rank between an attached KV cache and `region`.
+
+    `device`: "auto" (the backend follows the attached KV cache's device), "cpu",
+    or "cuda"/"cuda:N" (refuse KV caches elsewhere). `staging_bytes` bounds the
+    device staging buffer of each direction (CUDA only)."""
+
+    def __init__(
+        self,
+        region: SharedRegion,
+        rank: int,
+        device: str = "auto",
+        *,
+        staging_bytes: int = 64 << 20,
+    ) -> None:
+        if not 0 <= rank < region.layout.world_size:
+            raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
+        if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+            raise TransferError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+        self.region = region
+        self.rank = rank
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self._kv: OpenedKV | None = None
+        self._backend: Backend | None = None
+        self._early: deque[TransferOutcome] = deque()
+        self._in_flight = 0
+        self._closed = False
+
+    @property
+    def kv(self) -> OpenedKV | None:
+        return self._kv
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet returned by `poll` (failed ones included)."""
+        return self._in_flight
+
+    def attach(self, kv: OpenedKV) -> None:
+        """Use `kv` for the next jobs, replacing the previous KV cache. Blocks until
+        the jobs in flight finish on the old one; the caller closes the old
+        `OpenedKV` afterwards. Raises TransferError if `kv` does not fit."""
+        if self._closed:
+            raise TransferError("the transfer engine is closed")
+        page = self.region.layout.page_size
+        if kv.layout.page_size != page:
+            raise TransferError(
+                f"KV cache page_size {kv.layout.page_size} (one block, all tensors) does not "
+                f"match the CPU tier's page_size {page}"
+            )
+        kind = kv.device.type
+        if self.device != "auto" and self.device.split(":")[0] != kind:
+            raise TransferError(f"this engine copies for {self.device}, the KV cache is on {kind}")
+        if self._backend is not None and self._backend.kind != kind:
+            self._backend.attach(None)
+            self._drain_backend()
+        if self._backend is None:
+            self._backend = self._make_backend(kind)
+        self._backend.attach(kv)
+        self._kv = kv
+        log.info("rank %d: attached %r (page %d B)", self.rank, kv, page)
+
+    def detach(self) -> None:
+        """Let go of the KV cache (after the jobs in flight), e.g. before closing it."""
+        if self._backend is not None:
+            self._backend.attach(None)
+        self._kv = None
+
+    def _make_backend(self, kind: str) -> Backend:
+        if kind == "cuda":
+            from workers.transfer_cuda import CudaBackend
+
+            return CudaBackend(self.region, self.rank, self.staging_bytes)
+        if kind == "cpu":
+            from workers.transfer_cpu import CpuBackend
+
+            return CpuBackend(self.region, self.rank)
+        raise TransferError(f"no transfer backend for device type {kind!r}")
+
+    def _drain_backend(self) -> None:
+        assert self._backend is not None
+        self._backend.close()
+        self._early.extend(self._backend.poll())
+        self._backend = None
+
+    def submit(self, job: TransferJob) -> None:
+        """Queue `job`. Never raises for a bad job: it fails through `poll`."""
+        self._in_flight += 1
+        if self._closed:
+            self._early.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "engine closed"))
+            return
+        try:
+            gpu, cpu = validate(job, self._kv, self.region.layout.num_blocks)
+        except JobError as e:
+            self._early.append(failed(job.job_id, e.code, str(e)))
+            return
+        if len(gpu) == 0:
+            self._early.append(TransferOutcome(job_id=job.job_id, success=True))
+            return
+        assert self._backend is not None
+        try:
+            self._backend.submit(job, gpu, cpu)
+        except Exception as e:  # a device error while queueing: this job only
+            log.exception("rank %d: job %d could not be queued", self.rank, job.job_id)
+            self._early.append(failed(job.job_id, ErrorCode.FATAL, f"{type(e).__name__}: {e}"))
+
+    def poll(self) -> list[TransferOutcome]:
+        """Outcomes of finished jobs, each reported exactly once. Never blocks."""
+        out = list(self._early)
+        self._early.clear()
+        if self._backend is not None:
+            out += self._backend.poll()
+        self._in_flight -= len(out)
+        return out
+
+    def wait(self, timeout: float = 60.0) -> list[TransferOutcome]:
+        """Poll until nothing is in flight or `timeout` passes (tests, benchmarks and
+        shutdown; the worker loop polls instead)."""
+        out: list[TransferOutcome] = []
+        end = time.monotonic() + timeout
+        while True:
+            out += self.poll()
+            if self._in_flight == 0 or time.monotonic() >= end:
+                return out
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        """Wait for the job running, fail those not started (reported by a last
+        `poll`), release the device resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._backend is not None:
+            self._drain_backend()
+        self._kv = None
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
