@@ -6,11 +6,13 @@ from collections.abc import Callable
 
 from tierkv.policies.arc import ARCPolicy
 from tierkv.policies.base import CachePolicy
+from tierkv.policies.histarc import HistoryARCPolicy
 from tierkv.policies.lru import LRUPolicy
 
 _POLICIES: dict[str, Callable[[int], CachePolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
+    "histarc": HistoryARCPolicy,
 }
 
 
