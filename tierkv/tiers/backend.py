@@ -56,6 +56,11 @@ class TierBackend(ABC):
     def touch(self, keys: Iterable[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """The keys were used (promoted): refresh them in the tier's eviction order."""
 
+    def sync(self) -> None:  # noqa: B027 - optional hook
+        """Make every `store` that has returned durable. Called once per store job,
+        before the job is reported stored, so a batch costs one flush, not one per
+        key. Backends whose `store` is durable on return need not implement it."""
+
     def take_evicted(self) -> list[OffloadKey]:
         """Keys dropped by the backend's own eviction since the last call."""
         return []

@@ -142,10 +142,23 @@ class JobRunner:
             state.remaining -= 1
             last = state.remaining == 0
         if last:
+            if job.kind is JobKind.STORE and any(state.ok):
+                self._sync(state)
             self._done.append(self._result(state))
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()
+
+    def _sync(self, state: _JobState) -> None:
+        """The job's stores become durable together; if that fails none is reported."""
+        try:
+            self.backend.sync()
+        except Exception as e:
+            code = e.code if isinstance(e, TierError) else ErrorCode.FATAL
+            log.error("backend %s could not make a store job durable: %s",
+                      self.backend.type_name, e)
+            state.ok = [False] * len(state.ok)
+            state.error_code, state.error = code, f"sync failed: {e}"
 
     def _run_key(self, job: Job, index: int, key: OffloadKey) -> int:
         backend = self.backend
