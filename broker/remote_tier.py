@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.errors import ErrorCode
+from tierkv.errors import LOST, ErrorCode
 from tierkv.keys import OffloadEvent, OffloadKey
 from tierkv.protocol import Message, TierDoneBatch, TierHello, TierJobBatch
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
@@ -277,7 +277,8 @@ class RemoteTier(SecondaryTier):
             c["seconds_load"] += result.seconds
             failed = set(job.keys) - set(result.successful_keys)
             c["loads_failed"] += len(failed)
-            self.index.discard(failed)
+            if result.error_code in LOST:
+                self.index.discard(failed)
         if job.kind is not JobKind.DELETE:
             self._finished.append(result)
 

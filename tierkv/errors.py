@@ -22,6 +22,11 @@ class ErrorCode(enum.StrEnum):
     PROTOCOL = "protocol"  # a malformed message
 
 
+# Failures that mean a tier does not hold the key (any more), as opposed to a dead
+# process or a timeout, which say nothing about the key.
+LOST = frozenset({ErrorCode.NOT_FOUND, ErrorCode.CORRUPT})
+
+
 class TierError(Exception):
     """A tier operation failed; `code` says how the caller should treat it."""
 

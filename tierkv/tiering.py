@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv.errors import LOST
 from tierkv.keys import OffloadEvent, OffloadKey
 from tierkv.primary import BlockStateError, PrepareStoreOutput, PrimaryTier
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
@@ -335,8 +336,11 @@ class TieringManager:
             self._promoting.pop(key, None)
         if failed:
             self.primary.complete_store(failed, success=False)
-            for key in failed:
-                self._remember_failed(promotion.tier, key)
+            if result.error_code in LOST:
+                # The tier lost these keys: a miss there until they are stored again.
+                # A dead process or a timeout says nothing about the keys themselves.
+                for key in failed:
+                    self._remember_failed(promotion.tier, key)
             self._counters["promotions_failed"] += len(failed)
             log.warning("promotion of %d key(s) from %s failed: %s", len(failed),
                         self.tiers[promotion.tier].name, result.error or "no reason given")

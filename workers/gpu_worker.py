@@ -62,7 +62,8 @@ class WorkerService(PeerService):
                             self.registration)
         link = BrokerLink(self.address, self.identity(), self.heartbeat_s, WORKER_BROKER_OPS)
         try:
-            welcome = link.handshake(hello, self.connect_timeout_s)
+            welcome = link.handshake(hello, self.connect_timeout_s,
+                                     stopping=lambda: self.stopping or self.parent_died(0))
             layout = RegionLayout(welcome.num_blocks, welcome.page_size, welcome.world_size)
             if layout != region.layout:
                 raise LinkRefused(f"the broker's layout {layout} is not the region's "

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import zmq
@@ -59,13 +59,16 @@ class BrokerLink:
         self.last_sent = 0.0
         self.welcome: Welcome | None = None
 
-    def handshake(self, hello: Message, timeout: float, *after_hello: Message) -> Welcome:
+    def handshake(self, hello: Message, timeout: float, *after_hello: Message,
+                  stopping: Callable[[], bool] = lambda: False) -> Welcome:
         """Send hello (and the messages that belong with it), wait for the answer."""
         self.send(hello)
         for msg in after_hello:
             self.send(msg)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if stopping():
+                raise BrokerLost("stopping before the broker answered")
             for msg in self.receive(min(0.2, deadline - time.monotonic())):
                 if isinstance(msg, Welcome):
                     self.welcome = msg

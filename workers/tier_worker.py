@@ -86,7 +86,8 @@ class TierService(PeerService):
                   for i in range(0, len(inventory), INVENTORY_CHUNK)] or [Inventory([], True)]
         link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TIER_BROKER_OPS)
         try:
-            welcome = link.handshake(hello, self.connect_timeout_s, *chunks)
+            welcome = link.handshake(hello, self.connect_timeout_s, *chunks,
+                                     stopping=lambda: self.stopping or self.parent_died(0))
             layout = RegionLayout(welcome.num_blocks, welcome.page_size, welcome.world_size)
             if layout != region.layout:
                 raise LinkRefused(f"the broker's layout {layout} is not the region's "

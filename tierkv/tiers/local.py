@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
+from tierkv.errors import LOST
 from tierkv.keys import OffloadEvent, OffloadKey
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows, Job, JobKind, JobResult, SecondaryTier
@@ -151,4 +152,5 @@ class LocalTier(SecondaryTier):
             c["seconds_load"] += result.seconds
             failed = set(job.keys) - set(result.successful_keys)
             c["loads_failed"] += len(failed)
-            self.index.discard(failed)
+            if result.error_code in LOST:
+                self.index.discard(failed)
