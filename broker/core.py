@@ -224,7 +224,7 @@ class BrokerCore:
         out = self.manager.prepare_store(msg.keys, msg.req_id)
         if out is None:
             self.counters["stores_refused"] += 1
-            return StoreResult(None, [])
+            return StoreResult(None, [], refused=True)
         if not out.keys_to_store:
             return StoreResult(None, [])
         gpu_of = dict(zip(msg.keys, msg.gpu_block_ids, strict=True))

@@ -67,7 +67,9 @@ class BrokerProc:
                 for entry in config.tiers
             }
             manager = TieringManager(primary, list(self.remote.values()),
-                                     lease_steps=cpu.lease_steps, region=self.region)
+                                     lease_steps=cpu.lease_steps, region=self.region,
+                                     max_cascade_backlog=cpu.cascade_backlog_blocks
+                                     or max(64, cpu.num_blocks // 4))
             self.core = BrokerCore(config, manager, self.remote, self._send, clock)
             self._open_sockets()
             self.metrics = BrokerMetrics(config.broker.metrics_port) \

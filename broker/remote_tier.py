@@ -39,6 +39,7 @@ class _TierPeer:
     identity: bytes
     pid: int
     credit: int = 0
+    reserve: int = 0  # credit that stores may not use: a quarter of the first grant
     ready: bool = False  # inventory received in full
     jobs: set[int] = field(default_factory=set)
 
@@ -67,11 +68,14 @@ class RemoteTier(SecondaryTier):
         self.index = TierIndex(shared=False, negative_ttl=negative_ttl_s, clock=clock)
         self.capacity_bytes: int | None = None
         self._peers: dict[bytes, _TierPeer] = {}
-        self._loads: deque[Job] = deque()
+        # A request waits on promotions and existence checks; nobody waits on a
+        # cascade store. So they queue apart, and stores leave credit for them.
+        self._urgent: deque[Job] = deque()  # promotions, existence checks
         self._others: deque[Job] = deque()  # stores and deletes
         self._in_flight: dict[int, _InFlight] = {}
         self._exists_ids = itertools.count(-1, -1)  # never a manager job id
         self._finished: list[JobResult] = []
+        self._store_backlog = 0
         self._backend_stats: dict[bytes, dict[str, Any]] = {}
         self.failures: dict[str, int] = {}  # error code -> failed jobs
         self._events: list[OffloadEvent] = []
@@ -97,9 +101,14 @@ class RemoteTier(SecondaryTier):
 
     def submit_store(self, job: Job) -> None:
         self._others.append(job)
+        self._store_backlog += len(job.keys)
+
+    @property
+    def store_backlog(self) -> int:
+        return self._store_backlog
 
     def submit_load(self, job: Job) -> None:
-        self._loads.append(job)
+        self._urgent.append(job)
 
     def get_finished(self) -> list[JobResult]:
         finished, self._finished = self._finished, []
@@ -122,7 +131,7 @@ class RemoteTier(SecondaryTier):
             "processes": len(self._peers),
             "available": self.available,
             "in_flight": len(self._in_flight),
-            "queued": len(self._loads) + len(self._others),
+            "queued": len(self._urgent) + len(self._others),
             "checking": self.index.checking,
             **self._counters,
             "failures": dict(self.failures),
@@ -131,10 +140,10 @@ class RemoteTier(SecondaryTier):
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Non-blocking here: the broker's loop keeps pumping until this is True."""
-        return not self._in_flight and not self._loads and not self._others
+        return not self._in_flight and not self._urgent and not self._others
 
     def shutdown(self) -> None:
-        self._loads.clear()
+        self._urgent.clear()
         self._others.clear()
 
     @property
@@ -163,6 +172,8 @@ class RemoteTier(SecondaryTier):
     def on_credit(self, identity: bytes, credit: int) -> None:
         peer = self._peers.get(identity)
         if peer is not None:
+            if not peer.reserve:
+                peer.reserve = max(1, credit // 4)
             peer.credit += max(0, credit)
 
     def on_done(self, identity: bytes, batch: TierDoneBatch) -> None:
@@ -214,7 +225,7 @@ class RemoteTier(SecondaryTier):
         checks = self.index.take_checks()
         for i in range(0, len(checks), EXISTS_BATCH_KEYS):
             keys = tuple(checks[i : i + EXISTS_BATCH_KEYS])
-            self._others.appendleft(Job(next(self._exists_ids), keys, (), JobKind.EXISTS))
+            self._urgent.append(Job(next(self._exists_ids), keys, (), JobKind.EXISTS))
             self._counters["exists_checks"] += len(keys)
         if not self._peers:
             self._fail_queued(f"no process serves tier {self.name}")
@@ -224,9 +235,11 @@ class RemoteTier(SecondaryTier):
             return
         batches: dict[bytes, list[Job]] = {}
         now = self._clock()
-        for queue in (self._loads, self._others):
+        for queue, reserve in ((self._urgent, 0), (self._others, None)):
             while queue and peers:
                 peer = max(peers, key=lambda p: p.credit)  # the least loaded
+                if reserve is None and peer.credit <= peer.reserve:
+                    break  # the rest of the credit is kept for urgent jobs
                 job = queue.popleft()
                 peer.credit -= 1
                 peer.jobs.add(job.job_id)
@@ -262,6 +275,7 @@ class RemoteTier(SecondaryTier):
             self.index.checked(result.successful_keys, job.keys)
             return
         if job.kind is JobKind.STORE:
+            self._store_backlog -= len(job.keys)
             c["stores"] += len(result.successful_keys)
             c["stores_failed"] += len(job.keys) - len(result.successful_keys)
             c["bytes_stored"] += result.bytes_moved
@@ -283,7 +297,7 @@ class RemoteTier(SecondaryTier):
             self._finished.append(result)
 
     def _fail_queued(self, reason: str) -> None:
-        for queue in (self._loads, self._others):
+        for queue in (self._urgent, self._others):
             while queue:
                 job = queue.popleft()
                 self._complete(job, JobResult(job.job_id, False,

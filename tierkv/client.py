@@ -110,7 +110,8 @@ class Client:
         self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int], req_id: str | None = None
     ) -> Store:
         """GPU -> CPU tier on every rank. `keys_accepted` are the keys actually
-        stored (absent, admitted, room made); the job id is None when there are none."""
+        stored (absent, admitted, room made); the job id is None when there are none.
+        `refused` says room could not be made now (blocks in use): ask again later."""
         return self._call(
             StoreRequest(self._id(), check_keys(keys), list(gpu_block_ids), req_id), Store
         )

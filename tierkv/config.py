@@ -41,7 +41,12 @@ class CpuConfig:
     world_size: int = 1
     policy: str = "lru"
     reuse_threshold: int = 0  # 0: store every block; n: only after n lookups
-    lease_steps: int = 64
+    # A promoted block waits this many steps (client steps and broker ticks, see
+    # broker.tick_ms) for its request to load it before it may be evicted.
+    lease_steps: int = 1000
+    # Keys waiting to be cascaded to one secondary tier, at most; past it new blocks
+    # skip that tier rather than pin the CPU tier. 0: a quarter of num_blocks, >= 64.
+    cascade_backlog_blocks: int = 0
 
 
 @dataclass
@@ -206,6 +211,8 @@ def _check(c: Config) -> None:
         fail("cpu.reuse_threshold", "must be >= 0")
     if c.cpu.lease_steps < 1:
         fail("cpu.lease_steps", "must be >= 1")
+    if c.cpu.cascade_backlog_blocks < 0:
+        fail("cpu.cascade_backlog_blocks", "must be >= 0")
     if c.cpu.policy not in known_policies():
         fail("cpu.policy", f"is {c.cpu.policy!r}; known: {', '.join(known_policies())}")
     size = c.cpu.num_blocks * c.cpu.page_size * c.cpu.world_size

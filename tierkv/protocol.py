@@ -443,8 +443,9 @@ class LookupResult:
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
-    job_id: int | None  # None when no key needed storing
+    job_id: int | None  # None when no key needed storing, or the store was refused
     keys_accepted: list[bytes]
+    refused: bool = False  # no room could be made (blocks busy): try again later
 
 
 @dataclass(frozen=True, slots=True)

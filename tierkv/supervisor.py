@@ -202,6 +202,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        self.status_path.unlink(missing_ok=True)  # a killed earlier supervisor's
         try:
             self.node.start()
         except ChildFailed as e:

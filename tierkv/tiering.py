@@ -65,6 +65,7 @@ class TieringManager:
         lease_steps: int = 32,
         region: Any = None,
         failed_key_memory: int = 100_000,
+        max_cascade_backlog: int | None = None,
     ) -> None:
         if lease_steps < 1:
             raise ValueError(f"lease_steps must be >= 1, got {lease_steps}")
@@ -75,6 +76,10 @@ class TieringManager:
         self.tiers = list(tiers)
         self.lease_steps = lease_steps
         self.region = region  # closed after the tiers at shutdown, if given
+        # A tier slower than the traffic must not pin the whole CPU tier with blocks
+        # waiting to be cascaded to it: past this many keys in its backlog, new
+        # blocks skip that tier (counted). None: no limit (every block cascades).
+        self.max_cascade_backlog = max_cascade_backlog
         self.step_count = 0
         self._job_ids = itertools.count(1)
         self._polled = False
@@ -93,7 +98,8 @@ class TieringManager:
         self._failed_key_memory = failed_key_memory
         self._counters: dict[str, int] = dict.fromkeys(
             ("lookups_pending", "promotions_started", "promotions_landed", "promotions_failed",
-             "promotions_refused", "promotions_cancelled", "cascades_queued", "cascade_keys_failed",
+             "promotions_refused", "promotions_cancelled", "cascades_queued", "cascades_skipped",
+             "cascade_keys_failed",
              "unknown_job_results", "leases_expired"), 0
         )
         self._promoted_from: dict[str, int] = dict.fromkeys(names, 0)
@@ -281,6 +287,14 @@ class TieringManager:
             if t == source:
                 continue
             todo = [k for k in keys if not tier.holds(k)]
+            if self.max_cascade_backlog is None:
+                room = len(todo)
+            else:
+                queued = len(self._queued_cascades.get(t, ()))
+                room = self.max_cascade_backlog - tier.store_backlog - queued
+            if len(todo) > room:
+                self._counters["cascades_skipped"] += len(todo) - max(0, room)
+                todo = todo[: max(0, room)]
             if todo:
                 self.primary.acquire(todo)
                 self._queued_cascades[t].extend(todo)

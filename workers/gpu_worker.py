@@ -24,12 +24,13 @@ from tierkv.protocol import (
     WorkerHello,
 )
 from tierkv.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
 
 log = logging.getLogger("tierkv.worker")
 
 WORKER_BROKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
-FLUSH_S = 0.0005  # poll interval for finished copies while jobs are in flight
+CUDA_POLL_S = 0.0002  # how often CUDA events are queried while copies are in flight
 
 
 class WorkerService(PeerService):
@@ -45,11 +46,12 @@ class WorkerService(PeerService):
         self.engine: Any = None
         self.kv: Any = None  # the engine's KV cache: outlives broker sessions
         self.registration: dict[str, Any] | None = None
+        self.wakeup = Wakeup()
 
     def open_session(self, region: SharedRegion) -> BrokerLink:
         from workers.transfer import TransferEngine  # torch: only in this process
 
-        self.engine = TransferEngine(region, self.rank, device=self.device)
+        self.engine = TransferEngine(region, self.rank, device=self.device, wakeup=self.wakeup)
         if self.kv is not None:
             try:
                 self.engine.attach(self.kv)
@@ -77,8 +79,10 @@ class WorkerService(PeerService):
     def serve(self, link: BrokerLink) -> None:
         engine = self.engine
         while not self.stopping:
-            wait = FLUSH_S if engine.in_flight else self.heartbeat_s / 2
-            for msg in link.receive(wait):
+            # CPU copies wake the loop when they finish; CUDA events are polled.
+            polled = engine.in_flight and not engine.notifies
+            wait = CUDA_POLL_S if polled else self.heartbeat_s / 2
+            for msg in link.receive(wait, self.wakeup):
                 if isinstance(msg, TransferBatch):
                     for job in msg.jobs:
                         engine.submit(job)

@@ -35,6 +35,7 @@ from tierkv.protocol import (
 )
 from tierkv.shm import RegionError, SharedRegion
 from tierkv.sockets import connect, make_socket
+from tierkv.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.link")
 
@@ -85,10 +86,21 @@ class BrokerLink:
             raise BrokerLost("the broker is not taking messages") from None
         self.last_sent = time.monotonic()
 
-    def receive(self, timeout: float) -> Iterator[Message]:
-        """Messages that arrive within `timeout` (all that are queued, once one is)."""
-        if not self.sock.poll(max(0, int(timeout * 1000))):
-            return
+    def receive(self, timeout: float, wakeup: Wakeup | None = None) -> Iterator[Message]:
+        """Messages that arrive within `timeout` (all that are queued, once one is).
+        Returns early, with none, when `wakeup` is notified."""
+        if wakeup is None:
+            if not self.sock.poll(max(0, int(timeout * 1000))):
+                return
+        else:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(wakeup.fd, zmq.POLLIN)
+            ready = dict(poller.poll(max(0, int(timeout * 1000))))
+            if wakeup.fd in ready:
+                wakeup.drain()
+            if self.sock not in ready:
+                return
         while True:
             try:
                 payload = self.sock.recv(flags=zmq.NOBLOCK)

@@ -31,13 +31,13 @@ from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import JobResult
 from tierkv.tiers.registry import TierConfigError, create_backend
 from tierkv.tiers.runner import JobRunner
+from tierkv.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
 
 log = logging.getLogger("tierkv.tier")
 
 TIER_BROKER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
 INVENTORY_CHUNK = 50_000
-FLUSH_S = 0.001  # how often finished jobs are pushed back while work is in flight
 STATS_S = 1.0  # how often the backend's own figures go to the broker
 
 
@@ -55,6 +55,7 @@ class TierService(PeerService):
         self.credit = credit
         self.backend: TierBackend | None = None
         self.runner: JobRunner | None = None
+        self.wakeup = Wakeup()
         self._block_bytes = 0
 
     def _backend(self, region: SharedRegion) -> TierBackend:
@@ -92,7 +93,7 @@ class TierService(PeerService):
             if layout != region.layout:
                 raise LinkRefused(f"the broker's layout {layout} is not the region's "
                                       f"{region.layout}")
-            self.runner = JobRunner(backend, region, threads=self.threads)
+            self.runner = JobRunner(backend, region, threads=self.threads, wakeup=self.wakeup)
             link.send(Ready(self.credit))
         except BaseException:
             link.close()
@@ -109,8 +110,7 @@ class TierService(PeerService):
             if time.monotonic() >= next_stats:
                 link.send(TierStats(self._stats(runner)))
                 next_stats = time.monotonic() + STATS_S
-            wait = FLUSH_S if runner.in_flight else self.heartbeat_s / 2
-            for msg in link.receive(wait):
+            for msg in link.receive(min(STATS_S, self.heartbeat_s / 2), self.wakeup):
                 if isinstance(msg, TierJobBatch):
                     self._accept(msg, runner)
             self._push(link, runner)
@@ -155,6 +155,7 @@ class TierService(PeerService):
     def close(self) -> None:
         if self.backend is not None:
             self.backend.close()
+        self.wakeup.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,7 @@ import numpy as np
 
 from tierkv.errors import ErrorCode
 from tierkv.protocol import TransferJob, TransferOutcome
+from tierkv.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from tierkv.engine import OpenedKV
@@ -167,6 +168,7 @@ class TransferEngine:
         device: str = "auto",
         *,
         staging_bytes: int = 64 << 20,
+        wakeup: Wakeup | None = None,
     ) -> None:
         if not 0 <= rank < region.layout.world_size:
             raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
@@ -176,6 +178,7 @@ class TransferEngine:
         self.rank = rank
         self.device = device
         self.staging_bytes = staging_bytes
+        self.wakeup = wakeup  # the CPU backend notifies it when a copy finishes
         self._kv: OpenedKV | None = None
         self._backend: Backend | None = None
         self._early: deque[TransferOutcome] = deque()
@@ -185,6 +188,11 @@ class TransferEngine:
     @property
     def kv(self) -> OpenedKV | None:
         return self._kv
+
+    @property
+    def notifies(self) -> bool:
+        """True if finished copies notify `wakeup` (CPU); CUDA events must be polled."""
+        return self._backend is None or getattr(self._backend, "kind", "") == "cpu"
 
     @property
     def in_flight(self) -> int:
@@ -229,7 +237,7 @@ class TransferEngine:
         if kind == "cpu":
             from workers.transfer_cpu import CpuBackend
 
-            return CpuBackend(self.region, self.rank)
+            return CpuBackend(self.region, self.rank, self.wakeup)
         raise TransferError(f"no transfer backend for device type {kind!r}")
 
     def _drain_backend(self) -> None:

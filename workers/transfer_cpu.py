@@ -36,6 +36,7 @@ import numpy as np
 
 from tierkv.errors import ErrorCode
 from tierkv.protocol import TransferJob, TransferOutcome
+from tierkv.wakeup import Wakeup
 from workers.transfer import JobError, check_deadline, failed, runs
 
 if TYPE_CHECKING:
@@ -59,9 +60,10 @@ class CpuBackend:
 
     kind = "cpu"
 
-    def __init__(self, region: SharedRegion, rank: int) -> None:
+    def __init__(self, region: SharedRegion, rank: int, wakeup: Wakeup | None = None) -> None:
         self._region = region
         self._rank = rank
+        self._wakeup = wakeup
         self._views: _Views | None = None
         self._queues: dict[str, deque[tuple[TransferJob, np.ndarray, np.ndarray]]] = {
             "load": deque(), "store": deque(),
@@ -132,6 +134,8 @@ class CpuBackend:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+                if self._wakeup is not None:
+                    self._wakeup.notify()
 
     def _execute(
         self,

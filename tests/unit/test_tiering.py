@@ -444,3 +444,20 @@ def test_random_steps_every_hit_has_the_stored_bytes(region, ops):
 
 def test_error_code_enum_is_stable():
     assert ErrorCode("not_found") is ErrorCode.NOT_FOUND
+
+
+def test_a_slow_tier_is_skipped_past_its_backlog_not_pinning_the_cpu_tier(instance):
+    with SharedRegion.create(instance, num_blocks=8, page_size=PAGE) as region:
+        slow = MemoryTier(region, capacity_blocks=64, name="slow", auto_complete=False)
+        mgr = manager(region, slow, max_cascade_backlog=3)
+        gpu_store(mgr, region, k(1, 2))
+        mgr.step()  # sent, never completed: 2 keys in the backlog
+        gpu_store(mgr, region, k(3, 4, 5))
+        assert mgr.stats()["tiering"]["cascades_skipped"] == 2
+        assert mgr.primary.readers(k(3)[0]) == 1 and mgr.primary.readers(k(4)[0]) == 0
+        mgr.step()
+        # Blocks that skipped the tier are evictable: the CPU tier keeps taking stores.
+        assert gpu_store(mgr, region, k(6, 7, 8, 9, 10)) == k(6, 7, 8, 9, 10)
+        slow.complete_pending()
+        settle(mgr)
+        assert slow.holds(k(1)[0]) and slow.holds(k(3)[0]) and not slow.holds(k(4)[0])

@@ -107,3 +107,8 @@ class SecondaryTier(ABC):
     @property
     def in_flight(self) -> int:
         return 0
+
+    @property
+    def store_backlog(self) -> int:
+        """Keys submitted for storing whose results were not handed out yet."""
+        return 0

@@ -40,6 +40,7 @@ class LocalTier(SecondaryTier):
         self.index = TierIndex(shared=backend.shared, negative_ttl=negative_ttl)
         self.index.add(backend.inventory())
         self._held: list[Job] = []
+        self._store_backlog = 0
         self._jobs: dict[int, Job] = {}
         self._exists_jobs: dict[int, tuple[OffloadKey, ...]] = {}
         self._exists_ids = itertools.count(-1, -1)  # negative: never a manager job id
@@ -78,6 +79,8 @@ class LocalTier(SecondaryTier):
                 self.index.checked(result.successful_keys, asked)
                 continue
             job = self._jobs.pop(result.job_id)
+            if job.kind is JobKind.STORE:
+                self._store_backlog -= len(job.keys)
             self._account(job, result)
             finished.append(result)
         return finished
@@ -114,6 +117,10 @@ class LocalTier(SecondaryTier):
     def in_flight(self) -> int:
         return len(self._jobs)
 
+    @property
+    def store_backlog(self) -> int:
+        return self._store_backlog
+
     # -- test hook -----------------------------------------------------------------
 
     def complete_pending(self) -> int:
@@ -127,6 +134,8 @@ class LocalTier(SecondaryTier):
 
     def _submit(self, job: Job) -> None:
         self._jobs[job.job_id] = job
+        if job.kind is JobKind.STORE:
+            self._store_backlog += len(job.keys)
         if self.auto_complete:
             self._runner.submit(job)
         else:

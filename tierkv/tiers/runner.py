@@ -22,11 +22,13 @@ from tierkv.errors import ErrorCode, TierError
 from tierkv.keys import OffloadKey
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows, Job, JobKind, JobResult
+from tierkv.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.tiers.runner")
 
-# Lower runs first.
-_PRIORITY = {JobKind.PROMOTION: 0, JobKind.STORE: 1, JobKind.DELETE: 2, JobKind.EXISTS: 3}
+# Lower runs first: a request waits on promotions and existence checks, nobody on a
+# cascade store or a delete.
+_PRIORITY = {JobKind.PROMOTION: 0, JobKind.EXISTS: 0, JobKind.STORE: 1, JobKind.DELETE: 2}
 
 
 @dataclass(eq=False)
@@ -45,10 +47,12 @@ class _JobState:
 
 
 class JobRunner:
-    def __init__(self, backend: TierBackend, rows: BlockRows | None, threads: int = 0) -> None:
+    def __init__(self, backend: TierBackend, rows: BlockRows | None, threads: int = 0,
+                 wakeup: Wakeup | None = None) -> None:
         self.backend = backend
         self.rows = rows
         self.threads = threads
+        self.wakeup = wakeup  # notified whenever a result is ready
         self._done: deque[JobResult] = deque()
         self._tasks: queue.PriorityQueue[tuple[int, int, _JobState | None, int]] = (
             queue.PriorityQueue()
@@ -74,7 +78,7 @@ class JobRunner:
             )
         state = _JobState(job, remaining=len(job.keys))
         if not job.keys:
-            self._done.append(self._result(state))
+            self._finish(self._result(state))
             return
         with self._idle:
             self._in_flight += 1
@@ -88,7 +92,12 @@ class JobRunner:
 
     def report(self, result: JobResult) -> None:
         """A result decided without running the job (refused, too late)."""
+        self._finish(result)
+
+    def _finish(self, result: JobResult) -> None:
         self._done.append(result)
+        if self.wakeup is not None:
+            self.wakeup.notify()
 
     def take_finished(self) -> list[JobResult]:
         results = []
@@ -144,7 +153,7 @@ class JobRunner:
         if last:
             if job.kind is JobKind.STORE and any(state.ok):
                 self._sync(state)
-            self._done.append(self._result(state))
+            self._finish(self._result(state))
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()

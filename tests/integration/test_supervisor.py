@@ -1,0 +1,257 @@
+"""The node as a product: `tierkv up`, restarts, leftovers, status, metrics, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import new_instance
+from tests.integration.cluster import LAYOUT, keys, leftovers, make_config
+from tierkv.client import Client
+from tierkv.config import Config, dump_config, tier_name
+from tierkv.engine import KVLayout, allocate_kv_cache
+from tierkv.shm import process_start_time
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_supervisor(config: Config, path: Path) -> subprocess.Popen:
+    path.write_text(dump_config(config))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierkv.cli", "up", "-c", str(path)], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+
+
+def wait_status(config: Config, predicate, proc: subprocess.Popen,  # noqa: ANN001
+                timeout: float = 60.0) -> dict:
+    """The status file of the supervisor `proc` once `predicate` holds."""
+    path = config.run_path / "supervisor.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the supervisor exited with {proc.returncode}")
+        try:
+            status = json.loads(path.read_text())
+            if status["pid"] == proc.pid and predicate(status):
+                return status
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"supervisor status did not reach the expected state in {timeout}s")
+
+
+def alive(pid: int) -> bool:
+    return process_start_time(pid) is not None and _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_supervisor(proc: subprocess.Popen, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(10)
+
+
+def child_pids(status: dict) -> dict[str, int]:
+    return {c["name"]: c["pid"] for c in status["children"]}
+
+
+def all_ready(config: Config):  # noqa: ANN201
+    names = {"broker", "worker0", *(f"tier:{tier_name(t)}:0" for t in config.tiers)}
+    return lambda s: {c["name"] for c in s["children"] if c["alive"]} >= names
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """A supervised node (broker, CPU worker, memory tier) with metrics on."""
+    instance = new_instance()
+    run_dir = tmp_path_factory.mktemp("node")
+    config = make_config(instance, run_dir, broker={"metrics_port": free_port()},
+                         tiers=[{"type": "memory", "name": "mem", "capacity_blocks": 256}])
+    proc = start_supervisor(config, run_dir / "node.toml.in")
+    kv = None
+    try:
+        wait_status(config, all_ready(config), proc)
+        kv = allocate_kv_cache(instance, 0, KVLayout.blocks_outer(num_blocks=32, **LAYOUT))
+        with Client.from_config(config) as c:
+            c.register_kv(0, kv.registration())
+        yield config, proc, kv
+    finally:
+        code = stop_supervisor(proc)
+        if kv is not None:
+            kv.close()
+        assert code == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        assert leftovers(run_dir, instance) == []
+
+
+def round_trip(config: Config, kv, ks: list[bytes]) -> None:  # noqa: ANN001
+    view = kv.tensors[0].view(32, -1)
+    view[: len(ks)] = 7
+    with Client.from_config(config) as c:
+        store = c.store(ks, list(range(len(ks))))
+        assert c.wait([store.job_id], timeout=30)[store.job_id].success
+        view[: len(ks)] = 0
+        assert c.lookup(ks).hits == len(ks)
+        load = c.load(ks, list(range(len(ks))))
+        assert c.wait([load.job_id], timeout=30)[load.job_id].success
+    assert bool((view[: len(ks)] == 7).all())
+
+
+@pytest.mark.parametrize("victim", ["tier:mem:0", "worker0"])
+def test_killed_child_is_restarted_and_the_node_keeps_serving(node, victim):
+    config, proc, kv = node
+    before = wait_status(config, all_ready(config), proc)
+    old = child_pids(before)[victim]
+    os.kill(old, signal.SIGKILL)
+    after = wait_status(config, lambda s: any(
+        c["name"] == victim and c["pid"] != old and c["alive"] and c["restarts"] >= 1
+        for c in s["children"]), proc)
+    assert child_pids(after)[victim] != old
+    # The restarted worker gets the engine's KV cache back from the broker.
+    deadline = time.monotonic() + 30
+    with Client.from_config(config) as c:
+        while time.monotonic() < deadline:
+            peers = c.stats()["peers"]
+            if any(p["pid"] == child_pids(after)[victim] and p["state"] == "ready"
+                   and p.get("kv_attached", True) for p in peers):
+                break
+            time.sleep(0.2)
+    round_trip(config, kv, keys(100 + len(victim), 200 + len(victim), prefix=victim.encode()[:4]))
+
+
+def test_metrics_answer_and_counters_move(node):
+    config, _, _ = node
+    url = f"http://127.0.0.1:{config.broker.metrics_port}/metrics"
+
+    def lookups() -> float:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("tierkv_lookups_total"))
+        return float(line.split()[-1])
+
+    time.sleep(0.6)
+    first = lookups()
+    with Client.from_config(config) as c:
+        for _ in range(5):
+            c.lookup(keys(1, 2, 3))
+    time.sleep(1.2)  # the snapshot is refreshed twice a second
+    assert lookups() >= first + 5
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for name in ("tierkv_hit_blocks_total", "tierkv_transfer_bytes_total",
+                 "tierkv_jobs_in_flight", "tierkv_peer_up", "tierkv_cpu_usage_ratio",
+                 "tierkv_evictions_total", "tierkv_job_failures_total"):
+        assert name in text
+
+
+def test_status_shows_processes_and_tiers(node, tmp_path):
+    config, _, _ = node
+    path = tmp_path / "c.toml"
+    path.write_text(dump_config(config))
+    out = subprocess.run([sys.executable, "-m", "tierkv.cli", "status", "-c", str(path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for word in ("broker", "worker0", "tier:mem:0", "restarts", "hit ratio", "mem", "cpu"):
+        assert word in out.stdout
+    data = json.loads(subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "status", "-c", str(path), "--json"], cwd=REPO,
+        capture_output=True, text=True, timeout=60).stdout)
+    assert data["broker"]["state"] == "running"
+
+
+def test_start_stop_cycles_leave_nothing(tmp_path):
+    instance = new_instance()
+    config = make_config(instance, tmp_path / "run", tiers=[])
+    for cycle in range(2):
+        proc = start_supervisor(config, tmp_path / f"c{cycle}.toml")
+        try:
+            pids = child_pids(wait_status(config, all_ready(config), proc)).values()
+        finally:
+            assert stop_supervisor(proc) == 0
+        assert not any(alive(pid) for pid in pids)
+        assert leftovers(config.run_path, instance) == []
+        assert not (config.run_path / "supervisor.json").exists()
+
+
+def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):
+    instance = new_instance()
+    config = make_config(instance, tmp_path / "run", tiers=[{"type": "memory"}])
+    proc = start_supervisor(config, tmp_path / "a.toml")
+    try:
+        pids = child_pids(wait_status(config, all_ready(config), proc)).values()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), "children outlived their supervisor"
+    # The next start sweeps whatever the dead run left and comes up cleanly.
+    proc = start_supervisor(config, tmp_path / "b.toml")
+    try:
+        wait_status(config, all_ready(config), proc)
+    finally:
+        assert stop_supervisor(proc) == 0
+    assert leftovers(config.run_path, instance) == []
+
+
+def test_bad_config_is_one_clear_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[cpu]\nnum_blocks = 'lots'\n")
+    out = subprocess.run([sys.executable, "-m", "tierkv.cli", "up", "-c", str(path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert "cpu.num_blocks must be int" in out.stderr and str(path) in out.stderr
+
+
+def test_bad_cli_arguments_are_refused(tmp_path):
+    for argv in (["tierkv.cli", "nonsense"], ["workers.tier_worker"],
+                 ["workers.gpu_worker", "--rank", "x"]):
+        out = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2, argv
+        assert out.stderr.strip(), argv
+
+
+def test_demo_quick_reports_hits_from_every_tier(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "demo", "--quick", "--no-progress",
+         "--out", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    served = report["served_blocks"]
+    assert served["cpu"] > 0 and served["disk"] > 0 and served["s3"] > 0, served
+    assert report["integrity"]["mismatches"] == 0
+    assert report["integrity"]["blocks_verified"] > 0
+    assert report["failed_jobs"] == 0
+    assert (tmp_path / "hit_ratio.png").stat().st_size > 1000
+    assert "integrity" in out.stdout and "0 mismatches" in out.stdout
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith("tierkv.demo")]
