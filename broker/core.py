@@ -178,7 +178,10 @@ class BrokerCore:
         if isinstance(msg, PollRequest):
             return self._collect(client)
         if isinstance(msg, StatsRequest):
-            return self.stats()
+            stats = self.stats()
+            if msg.verify:
+                stats["invariants"] = self._check_invariants()
+            return stats
         if isinstance(msg, BatchRequest):
             return self._batch(client, msg)
         raise RequestError(ErrorCode.BAD_REQUEST, f"op {msg.op!r} is not a client request")
@@ -522,6 +525,17 @@ class BrokerCore:
             ],
             **self.manager.stats(),
         }
+
+    def _check_invariants(self) -> str:
+        try:
+            self.manager.check_invariants()
+            for transfer in self.transfers.jobs.values():
+                held = [self.manager.primary.readers(k) for k in transfer.keys]
+                if transfer.kind == "load":
+                    assert all(h > 0 for h in held), f"load {transfer.job_id} lost its readers"
+        except AssertionError as e:
+            return f"violated: {e}"
+        return "ok"
 
     # -- helpers -------------------------------------------------------------------
 

@@ -35,7 +35,16 @@ from tierkv.protocol import (
 )
 from tierkv.reuse import ReuseFilter
 from tierkv.shm import RegionError, SharedRegion
-from tierkv.sockets import AddressError, bind, ensure_run_dir, make_socket, remove_ipc_file
+from tierkv.sockets import (
+    AddressError,
+    CurveError,
+    bind,
+    curve_server,
+    ensure_run_dir,
+    make_socket,
+    remove_ipc_file,
+    start_authenticator,
+)
 from tierkv.tiering import TieringManager
 
 log = logging.getLogger("broker")
@@ -83,10 +92,15 @@ class BrokerProc:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sockets: dict[str, zmq.Socket] = {}
         self.addresses = {link: self.config.address(link) for link in ("client", "worker", "tier")}
+        secret = self.config.broker.curve_secret_file
+        self.auth = start_authenticator(self.ctx, self.config.broker.curve_authorized_dir) \
+            if secret else None
         for link, address in self.addresses.items():
             sock = make_socket(self.ctx, zmq.ROUTER)
             self.sockets[link] = sock
-            bind(sock, address)
+            if secret:
+                curve_server(sock, secret)
+            bind(sock, address, curve=bool(secret))
         self._links = {sock: link for link, sock in self.sockets.items()}
 
     # -- sending ---------------------------------------------------------------------
@@ -195,6 +209,8 @@ class BrokerProc:
         self.core.say_goodbye()
         for sock in self.sockets.values():
             sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         for address in self.addresses.values():
             remove_ipc_file(address)
         self.core.manager.shutdown()  # tiers first, then the region (closed and unlinked)
@@ -218,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("broker", config.log_level, args.verbose)
     try:
         proc = BrokerProc(config)
-    except (RegionError, AddressError, ConfigError, zmq.ZMQError, OSError) as e:
+    except (RegionError, AddressError, CurveError, ConfigError, zmq.ZMQError, OSError) as e:
         log.error("cannot start: %s", e)
         return 1
     signal.signal(signal.SIGTERM, proc.request_stop)

@@ -77,7 +77,7 @@ class BrokerMetrics(Collector):
                        for cause, count in t.get("failures", {}).items()]
                       + [(["gpu", "transfer"], broker["transfers_failed"])])
         yield counter("corrupt_blocks", "Blocks that failed verification at load.", ["tier"],
-                      [([n], t.get("errors_corrupt", 0)) for n, t in tiers.items()])
+                      [([n], t.get("corrupt_blocks", 0)) for n, t in tiers.items()])
         yield counter("protocol_errors", "Malformed or refused messages.", [],
                       [([], broker["protocol_errors"])])
         yield gauge("jobs_in_flight", "Jobs in flight.", ["tier"],

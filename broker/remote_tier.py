@@ -82,7 +82,7 @@ class RemoteTier(SecondaryTier):
         self._counters: dict[str, float] = dict.fromkeys(
             ("jobs_sent", "jobs_failed", "stores", "stores_failed", "loads", "loads_failed",
              "bytes_stored", "bytes_loaded", "seconds_store", "seconds_load", "evictions",
-             "exists_checks", "late_results", "peer_deaths", "errors_corrupt"), 0
+             "exists_checks", "late_results", "peer_deaths", "corrupt_blocks"), 0
         )
 
     # -- SecondaryTier --------------------------------------------------------------
@@ -265,8 +265,6 @@ class RemoteTier(SecondaryTier):
             self.index.discard(result.evicted_keys)
             c["evictions"] += len(result.evicted_keys)
             self._events.append(OffloadEvent("removed", tuple(result.evicted_keys), self.name))
-        if result.error_code is ErrorCode.CORRUPT:
-            c["errors_corrupt"] += 1
         if not result.success:
             c["jobs_failed"] += 1
             cause = result.error_code.value if result.error_code else "unknown"
@@ -291,6 +289,8 @@ class RemoteTier(SecondaryTier):
             c["seconds_load"] += result.seconds
             failed = set(job.keys) - set(result.successful_keys)
             c["loads_failed"] += len(failed)
+            if result.error_code is ErrorCode.CORRUPT:
+                c["corrupt_blocks"] += len(failed)
             if result.error_code in LOST:
                 self.index.discard(failed)
         if job.kind is not JobKind.DELETE:

@@ -3,6 +3,7 @@
     tierkv demo [--quick]        the main job: a demo node, driven like an engine
     tierkv up -c FILE            run a node (supervisor) until ^C
     tierkv status [-c FILE]      a table of a running node
+    tierkv keygen DIR NAME       a CurveZMQ key pair (tcp beyond loopback needs them)
     tierkv replay TRACE          replay a Mooncake trace against the policies
     tierkv bench [AREA]          benchmarks, as ratios to the limits
     tierkv gc -c FILE --older-than 7d   remove a namespace's old S3 objects
@@ -26,6 +27,14 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if status.get("broker") is not None else 1
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from tierkv.sockets import create_keys
+
+    public, secret = create_keys(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (owner-only; never share it)")
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     from scripts.supervise import main as supervise
 
@@ -41,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-c", "--config")
     up.add_argument("-v", "--verbose", action="count", default=0)
     up.set_defaults(run=_up)
+
+    keygen = sub.add_parser("keygen", help="a CurveZMQ key pair for tcp beyond loopback")
+    keygen.add_argument("dir", help="directory for NAME.key and NAME.key_secret")
+    keygen.add_argument("name", help="e.g. broker, or a client's name")
+    keygen.set_defaults(run=_keygen)
 
     status = sub.add_parser("status", help="a table of a running node")
     status.add_argument("-c", "--config")

@@ -54,7 +54,7 @@ from tierkv.protocol import (
     to_map,
     to_record,
 )
-from tierkv.sockets import connect, make_socket
+from tierkv.sockets import CurveClientKeys, connect, curve_client, make_socket
 
 # The names of DESIGN's public API.
 Lookup = LookupResult
@@ -83,11 +83,13 @@ class RemoteError(RuntimeError):
 
 
 class Client:
-    def __init__(self, address: str, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, timeout: float = 10.0,
+                 curve: CurveClientKeys | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.address = address
         self.timeout = timeout
+        self.curve = curve
         self._ctx: zmq.Context = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
@@ -99,7 +101,8 @@ class Client:
     def from_config(cls, config: str | os.PathLike[str] | Config | None = None) -> Client:
         if not isinstance(config, Config):
             config = load_config(config)
-        return cls(config.address("client"), timeout=config.client.timeout_s)
+        return cls(config.connect_address("client"), timeout=config.client.timeout_s,
+                   curve=config.client.curve_keys())
 
     # -- the API -------------------------------------------------------------------
 
@@ -162,8 +165,10 @@ class Client:
                 time.sleep(interval)
         return done
 
-    def stats(self) -> dict[str, Any]:
-        return self._call(StatsRequest(self._id()), None)
+    def stats(self, verify: bool = False) -> dict[str, Any]:
+        """The node's figures; `verify=True` also checks the block-state invariants
+        (`result["invariants"] == "ok"`), which costs a pass over every block."""
+        return self._call(StatsRequest(self._id(), verify), None)
 
     def register_kv(
         self, rank: int, registration: dict[str, Any], timeout: float | None = None
@@ -204,6 +209,8 @@ class Client:
         sock = make_socket(self._ctx, zmq.DEALER)
         # Messages are not queued for a broker that is not there.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.curve is not None:
+            curve_client(sock, self.curve)
         connect(sock, self.address)
         self._sock = sock
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.policies import known_policies
+from tierkv.sockets import CurveClientKeys
 
 
 class ConfigError(ValueError):
@@ -60,8 +61,10 @@ class BrokerConfig:
     job_timeout_s: float = 30.0  # deadline of one transfer or tier job
     drain_timeout_s: float = 10.0  # how long SIGTERM waits for in-flight jobs
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1; 0: off
-    curve_server_secret_file: str = ""  # CurveZMQ, required for tcp beyond loopback
-    curve_client_public_files: list[str] = field(default_factory=list)
+    # CurveZMQ (required for a tcp address beyond loopback): the broker's secret key
+    # file and a directory of the public keys it lets in (see `tierkv keygen`).
+    curve_secret_file: str = ""
+    curve_authorized_dir: str = ""
 
 
 @dataclass
@@ -72,6 +75,15 @@ class WorkerConfig:
 @dataclass
 class ClientConfig:
     timeout_s: float = 10.0  # every client call waits at most this long
+    # CurveZMQ for clients, workers and tiers: their own secret key file and the
+    # broker's public key file (both needed when the broker has curve on).
+    curve_secret_file: str = ""
+    curve_server_public_file: str = ""
+
+    def curve_keys(self) -> CurveClientKeys | None:
+        if not self.curve_secret_file:
+            return None
+        return CurveClientKeys(self.curve_secret_file, self.curve_server_public_file)
 
 
 @dataclass
@@ -107,9 +119,20 @@ class Config:
         return Path(base) / "tierkv" / self.instance
 
     def address(self, link: str) -> str:
-        """The bind/connect address of `link` (client, worker, tier)."""
+        """The address the broker binds for `link` (client, worker, tier)."""
         explicit = getattr(self.broker, f"{link}_address")
         return explicit or f"ipc://{self.run_path / (link + '.sock')}"
+
+    def connect_address(self, link: str) -> str:
+        """The address a peer on this host connects to: a wildcard bind (all
+        interfaces) is reached through loopback."""
+        address = self.address(link)
+        for wildcard, loopback in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+                                   ("tcp://*:", "tcp://127.0.0.1:"),
+                                   ("tcp://[::]:", "tcp://[::1]:")):
+            if address.startswith(wildcard):
+                return loopback + address[len(wildcard):]
+        return address
 
     @property
     def tier_names(self) -> list[str]:
@@ -232,6 +255,10 @@ def _check(c: Config) -> None:
         fail("worker.device", f"must be auto, cpu or cuda, got {c.worker.device!r}")
     if c.client.timeout_s <= 0:
         fail("client.timeout_s", "must be positive")
+    if bool(c.broker.curve_secret_file) != bool(c.broker.curve_authorized_dir):
+        fail("broker.curve_secret_file", "and broker.curve_authorized_dir go together")
+    if bool(c.client.curve_secret_file) != bool(c.client.curve_server_public_file):
+        fail("client.curve_secret_file", "and client.curve_server_public_file go together")
     if c.log_level.lower() not in ("debug", "info", "warning", "error"):
         fail("log_level", f"must be debug, info, warning or error, got {c.log_level!r}")
     seen = set()

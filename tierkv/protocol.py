@@ -410,6 +410,7 @@ class PollRequest(Message):
 @dataclass(frozen=True, slots=True)
 class StatsRequest(Message):
     id: int
+    verify: bool = False  # also check the block-state invariants (O(blocks): tests, debug)
 
 
 @message("batch")

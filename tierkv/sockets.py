@@ -11,13 +11,17 @@ unless CurveZMQ keys are configured.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from tierkv.protocol import MAX_MESSAGE_BYTES
+
+log = logging.getLogger("tierkv.sockets")
 
 HWM = 100_000
 
@@ -106,3 +110,78 @@ def remove_ipc_file(address: str) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+# -- CurveZMQ -----------------------------------------------------------------------
+#
+# Keys live in files made by `tierkv keygen` (zmq's certificate format): a name.key
+# (public) and a name.key_secret (both keys, owner-only). The broker needs its
+# secret file and a directory of the public keys it lets in; every peer (client,
+# worker, tier) needs its own secret file and the broker's public key. Only paths
+# are ever logged.
+
+
+class CurveError(ValueError):
+    """A key file that is missing, unreadable or not a CurveZMQ certificate."""
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    secret_file: str
+    server_public_file: str
+
+
+def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    if not path or not os.path.isfile(path):
+        raise CurveError(f"CurveZMQ key file {path!r} does not exist")
+    if secret and stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+        raise CurveError(f"CurveZMQ secret key file {path} is readable by others: chmod 600 it")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as e:
+        raise CurveError(f"{path} is not a CurveZMQ certificate ({type(e).__name__})") from None
+    if secret and not secret_key:
+        raise CurveError(f"{path} holds no secret key (use the .key_secret file)")
+    return public, secret_key
+
+
+def curve_server(sock: zmq.Socket, secret_file: str) -> None:
+    public, secret = _load(secret_file, secret=True)
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
+
+
+def curve_client(sock: zmq.Socket, keys: CurveClientKeys) -> None:
+    public, secret = _load(keys.secret_file, secret=True)
+    server_public, _ = _load(keys.server_public_file, secret=False)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
+
+
+def start_authenticator(ctx: zmq.Context, authorized_dir: str):  # noqa: ANN201
+    """Let in only clients whose public key is in `authorized_dir` (ZAP)."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not authorized_dir or not os.path.isdir(authorized_dir):
+        raise CurveError(
+            f"broker.curve_authorized_dir {authorized_dir!r} is not a directory of public keys"
+        )
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("tierkv.zap"))
+    auth.start()
+    auth.configure_curve(domain="*", location=authorized_dir)
+    log.info("CurveZMQ on: clients must hold a key listed in %s", authorized_dir)
+    return auth
+
+
+def create_keys(directory: str, name: str) -> tuple[str, str]:
+    """A new key pair in `directory`: (public file, secret file, mode 0600)."""
+    import zmq.auth
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret

@@ -19,7 +19,8 @@ def gather(config: Config, timeout: float = 3.0) -> dict[str, Any]:
         except (OSError, ValueError):
             pass
     try:
-        with Client(config.address("client"), timeout=timeout) as client:
+        with Client(config.connect_address("client"), timeout=timeout,
+                    curve=config.client.curve_keys()) as client:
             status["broker"] = client.stats()
     except BrokerUnavailable as e:
         status["error"] = str(e)

@@ -219,6 +219,23 @@ class TieringManager:
     def in_flight(self) -> int:
         return len(self._cascades) + len(self._promotions)
 
+    def check_invariants(self) -> None:
+        """Assert what the block states promise (tests and `stats(check=True)`)."""
+        primary = self.primary
+        primary.check_invariants()
+        for key in self._promoting:
+            assert primary.contains(key) and not primary.is_ready(key), (
+                f"key {key.hex()} is being promoted but is not a writing block")
+        owed: dict[OffloadKey, int] = {}
+        cascaded = [keys for _, keys in self._cascades.values()]
+        for keys in [*cascaded, *self._queued_cascades.values(),
+                     *(list(leases) for leases in self._leases.values())]:
+            for key in keys:
+                owed[key] = owed.get(key, 0) + 1
+        for key, n in owed.items():
+            assert primary.readers(key) >= n, (
+                f"key {key.hex()} has {primary.readers(key)} readers, {n} owed")
+
     # -- lifetime --------------------------------------------------------------------
 
     def reset(self, timeout: float = 30.0) -> None:

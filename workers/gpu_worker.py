@@ -24,6 +24,7 @@ from tierkv.protocol import (
     WorkerHello,
 )
 from tierkv.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.sockets import CurveError
 from tierkv.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
 
@@ -37,8 +38,8 @@ class WorkerService(PeerService):
     component = "worker"
 
     def __init__(self, config: Config, rank: int, device: str) -> None:
-        super().__init__(config.instance, config.address("worker"), config.broker.heartbeat_s,
-                         config.supervisor.ready_timeout_s)
+        super().__init__(config.instance, config.connect_address("worker"),
+                         config.broker.heartbeat_s, config.supervisor.ready_timeout_s)
         self.config = config
         self.rank = rank
         self.device = device
@@ -62,7 +63,8 @@ class WorkerService(PeerService):
         hello = WorkerHello(self.rank, self.config.cpu.world_size, pid,
                             process_start_time(pid) or 0, _device_kind(self.device),
                             self.registration)
-        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, WORKER_BROKER_OPS)
+        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, WORKER_BROKER_OPS,
+                          self.config.client.curve_keys())
         try:
             welcome = link.handshake(hello, self.connect_timeout_s,
                                      stopping=lambda: self.stopping or self.parent_died(0))
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     service.install_signals()
     try:
         return service.run()
+    except CurveError as e:
+        log.error("cannot start: %s", e)
+        return 1
     finally:
         service._drop_kv()
 

@@ -34,7 +34,7 @@ from tierkv.protocol import (
     encode,
 )
 from tierkv.shm import RegionError, SharedRegion
-from tierkv.sockets import connect, make_socket
+from tierkv.sockets import CurveClientKeys, connect, curve_client, make_socket
 from tierkv.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.link")
@@ -50,11 +50,13 @@ class LinkRefused(Exception):
 
 class BrokerLink:
     def __init__(self, address: str, identity: bytes, heartbeat_s: float,
-                 allowed: frozenset[str]) -> None:
+                 allowed: frozenset[str], curve: CurveClientKeys | None = None) -> None:
         self.address = address
         self.heartbeat_s = heartbeat_s
         self.allowed = allowed
         self.sock = make_socket(zmq.Context.instance(), zmq.DEALER, identity=identity)
+        if curve is not None:
+            curve_client(self.sock, curve)
         connect(self.sock, address)
         self.last_seen = time.monotonic()
         self.last_sent = 0.0
@@ -114,6 +116,12 @@ class BrokerLink:
                 continue
             if isinstance(msg, Bye):
                 raise BrokerLost(f"broker said bye ({msg.reason})")
+            if isinstance(msg, Refused) and self.welcome is not None:
+                # Fault-suite fix (issue 10): a broker restarted on the same address
+                # answers this session's heartbeats with "say hello first". Those
+                # answers kept `last_seen` fresh, so the peer never noticed and never
+                # said hello again: the node stayed without workers and tiers.
+                raise BrokerLost(f"the broker no longer knows this session ({msg.reason})")
             if isinstance(msg, Heartbeat):
                 continue
             yield msg

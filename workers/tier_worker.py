@@ -27,6 +27,7 @@ from tierkv.protocol import (
     TierStats,
 )
 from tierkv.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.sockets import CurveError
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import JobResult
 from tierkv.tiers.registry import TierConfigError, create_backend
@@ -45,7 +46,7 @@ class TierService(PeerService):
     component = "tier"
 
     def __init__(self, config: Config, entry: dict[str, Any], threads: int, credit: int) -> None:
-        super().__init__(config.instance, config.address("tier"), config.broker.heartbeat_s,
+        super().__init__(config.instance, config.connect_address("tier"), config.broker.heartbeat_s,
                          config.supervisor.ready_timeout_s)
         self.config = config
         self.entry = entry
@@ -85,7 +86,8 @@ class TierService(PeerService):
         chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],
                             last=i + INVENTORY_CHUNK >= len(inventory))
                   for i in range(0, len(inventory), INVENTORY_CHUNK)] or [Inventory([], True)]
-        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TIER_BROKER_OPS)
+        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TIER_BROKER_OPS,
+                          self.config.client.curve_keys())
         try:
             welcome = link.handshake(hello, self.connect_timeout_s, *chunks,
                                      stopping=lambda: self.stopping or self.parent_died(0))
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     service.install_signals()
     try:
         return service.run()
-    except (TierConfigError, TierError, OSError) as e:
+    except (TierConfigError, TierError, CurveError, OSError) as e:
         log.error("cannot start: %s", e)
         return 1
     finally:

@@ -60,7 +60,9 @@ class Cluster:
         return self
 
     def client(self, timeout: float | None = None) -> Client:
-        c = Client(self.config.address("client"), timeout=timeout or self.config.client.timeout_s)
+        c = Client(self.config.connect_address("client"),
+                   timeout=timeout or self.config.client.timeout_s,
+                   curve=self.config.client.curve_keys())
         self.clients.append(c)
         return c
 
