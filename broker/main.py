@@ -63,7 +63,7 @@ class BrokerProc:
         ensure_run_dir(config.run_path)
         cpu = config.cpu
         self.region = SharedRegion.create(config.instance, cpu.num_blocks, cpu.page_size,
-                                          cpu.world_size)
+                                          cpu.world_size, prefault=cpu.prefault)
         try:
             reuse = ReuseFilter(cpu.reuse_threshold) if cpu.reuse_threshold else None
             primary = PrimaryTier(cpu.num_blocks, cpu.policy, reuse_filter=reuse)

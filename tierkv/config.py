@@ -48,6 +48,9 @@ class CpuConfig:
     # Keys waiting to be cascaded to one secondary tier, at most; past it new blocks
     # skip that tier rather than pin the CPU tier. 0: a quarter of num_blocks, >= 64.
     cascade_backlog_blocks: int = 0
+    # Allocate the whole region at start (about 1.5 s per GiB here) rather than
+    # on the first stores, which otherwise run ten times slower.
+    prefault: bool = True
 
 
 @dataclass

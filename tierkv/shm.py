@@ -129,10 +129,13 @@ class SharedRegion:
 
     @classmethod
     def create(
-        cls, instance: str, num_blocks: int, page_size: int, world_size: int = 1
+        cls, instance: str, num_blocks: int, page_size: int, world_size: int = 1,
+        prefault: bool = False,
     ) -> SharedRegion:
         """Create the region exclusively. A stale region of a dead owner is replaced;
-        a live owner's region raises `RegionInUseError`."""
+        a live owner's region raises `RegionInUseError`. `prefault` touches every page
+        now, so the first stores do not pay for allocating it (measured: a fresh
+        node's first store ran at a tenth of the speed of the next ones)."""
         _check_instance(instance)
         layout = RegionLayout(num_blocks, page_size, world_size)
         _check_free_shm(layout.total_size)
@@ -168,6 +171,8 @@ class SharedRegion:
             process_start_time(pid) or 0,
             instance.encode(),
         )
+        if prefault:
+            _prefault(mm)
         log.info(
             "created %s: %d blocks x %d B x %d ranks (%.1f MiB)",
             name, num_blocks, page_size, world_size, layout.total_size / 2**20,
@@ -310,6 +315,18 @@ class SharedRegion:
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else "attached"
         return f"SharedRegion({self.name}, {self.layout}, {role})"
+
+
+# Linux >= 5.14: allocate the pages without changing their contents. Python 3.11's
+# mmap module knows the call but not this constant.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel: touch one byte per page (the region is new, zero)
+        np.frombuffer(mm, dtype=np.uint8)[HEADER_SIZE::ALIGN] = 0
 
 
 def _read_header(mm: mmap.mmap, name: str) -> dict[str, Any]:

@@ -189,3 +189,10 @@ def test_too_large_for_dev_shm(instance):
 def test_bad_instance_name():
     with pytest.raises(RegionError, match="may not contain"):
         SharedRegion.create("a/b", 1, 4096)
+
+
+def test_prefault_allocates_without_changing_contents(instance):
+    with SharedRegion.create(instance, 64, 64 * 1024, prefault=True) as region:
+        assert not region.numpy().any()  # still zero
+        used = os.stat(f"/dev/shm{region.name}").st_blocks * 512
+        assert used >= region.layout.total_size - 4096  # the pages exist now
