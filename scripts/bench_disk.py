@@ -12,6 +12,8 @@ memory region. Reads are cold: the page cache is dropped before each read pass
 (`/proc/sys/vm/drop_caches`, root only; else `posix_fadvise(DONTNEED)` on the
 files, and the table says which). Goal: >= 0.85 of the baseline for 2 MiB
 blocks, >= 0.7 for 256 KiB.
+
+`measure_size` is also what `tierkv bench disk` runs.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -44,9 +47,12 @@ KEYS_PER_JOB = 32
 class Row:
     size: int
     what: str
-    gbps: float
+    gbps: float  # median over rounds
     base: float | None = None  # ratio to its baseline (median of per-round ratios)
     note: str = ""
+    samples: list[float] = field(default_factory=list)  # GB/s, one per round
+    ratios: list[float] = field(default_factory=list)  # to the baseline, one per round
+    baseline: str = ""  # the `what` of the row this one is a ratio of
 
 
 def parse_size(text: str) -> int:
@@ -219,7 +225,10 @@ def one_round(work: Path, region: SharedRegion, count: int, threads: int,
 
 
 def bench_size(work: Path, region: SharedRegion, count: int, threads: int, repeat: int,
-               dd: bool, o_direct: str | bool) -> tuple[list[Row], list[str]]:
+               dd: bool, o_direct: str | bool,
+               deadline: float | None = None) -> tuple[list[Row], list[str]]:
+    """`repeat` rounds (fewer once `time.monotonic()` passes `deadline`; at least
+    one), then `dd` once."""
     size = region.block_bytes
     nbytes = size * count
     how: list[str] = []
@@ -234,35 +243,39 @@ def bench_size(work: Path, region: SharedRegion, count: int, threads: int, repea
             raise RuntimeError(f"{bad} blocks read back wrong")
         return took
 
-    rounds = []
+    rounds: list[Round] = []
     direct = False
     for i in range(repeat):
+        if rounds and deadline is not None and time.monotonic() > deadline:
+            break
         rnd, direct = one_round(work, region, count, threads, o_direct, cold, i % 2 == 1)
         rounds.append(rnd)
 
-    def gbps(name: str) -> float:
-        return statistics.median(nbytes / r.seconds[name] / 1e9 for r in rounds)
-
-    def ratio(name: str, base: str) -> float:
-        return statistics.median(r.seconds[base] / r.seconds[name] for r in rounds)
+    def row(what: str, name: str, base: str | None = None, base_what: str = "",
+            note: str = "") -> Row:
+        samples = [nbytes / r.seconds[name] / 1e9 for r in rounds]
+        ratios = [r.seconds[base] / r.seconds[name] for r in rounds] if base else []
+        return Row(size, what, statistics.median(samples),
+                   statistics.median(ratios) if ratios else None, note, samples, ratios,
+                   base_what)
 
     def syncs(name: str) -> str:
         return f"{statistics.median(r.syncs[name] for r in rounds):.0f} fdatasyncs"
 
     mode = "O_DIRECT" if direct else "buffered"
+    fresh, over, read = ("baseline pwrite+fdatasync, new", "baseline pwrite+fdatasync, over",
+                         "baseline preadv, cold")
     rows = [
-        Row(size, "baseline pwrite+fdatasync, new", gbps("base_fresh")),
-        Row(size, "tier store, one flush per job", gbps("grouped"),
-            ratio("grouped", "base_fresh"),
+        row(fresh, "base_fresh"),
+        row("tier store, one flush per job", "grouped", "base_fresh", fresh,
             f"{mode}, {syncs('grouped')} for {count} blocks, new slabs"),
-        Row(size, "tier store, flush per store", gbps("per_key"),
-            ratio("per_key", "base_fresh"), f"{mode}, {syncs('per_key')} (grouped), new slabs"),
-        Row(size, "baseline pwrite+fdatasync, over", gbps("base_over")),
-        Row(size, "tier store, full tier", gbps("grouped_full"),
-            ratio("grouped_full", "base_over"), "flush per job, every store evicts"),
-        Row(size, "baseline preadv, cold", gbps("base_read")),
-        Row(size, "tier load, cold", gbps("tier_read"), ratio("tier_read", "base_read"),
-            f"{mode}, {threads} threads"),
+        row("tier store, flush per store", "per_key", "base_fresh", fresh,
+            f"{mode}, {syncs('per_key')} (grouped), new slabs"),
+        row(over, "base_over"),
+        row("tier store, full tier", "grouped_full", "base_over", over,
+            "flush per job, every store evicts"),
+        row(read, "base_read"),
+        row("tier load, cold", "tier_read", "base_read", read, f"{mode}, {threads} threads"),
     ]
     if dd:
         rows += run_dd(work / "dd.dat", size, count, how)
@@ -281,13 +294,41 @@ def run_dd(path: Path, size: int, count: int, how: list[str]) -> list[Row]:
             raise RuntimeError(f"cannot read dd's output: {out!r}")
         return size * count / float(m.group(1).replace(",", ".")) / 1e9
 
-    rows = [Row(size, "dd oflag=direct conv=fdatasync",
-                dd("if=/dev/zero", f"of={path}", "oflag=direct", "conv=fdatasync"))]
+    write = dd("if=/dev/zero", f"of={path}", "oflag=direct", "conv=fdatasync")
+    rows = [Row(size, "dd oflag=direct conv=fdatasync", write, samples=[write])]
     how.append(drop_caches([path]))
-    rows.append(Row(size, "dd iflag=direct, cold", dd(f"if={path}", "of=/dev/null",
-                                                      "iflag=direct")))
+    read = dd(f"if={path}", "of=/dev/null", "iflag=direct")
+    rows.append(Row(size, "dd iflag=direct, cold", read, samples=[read]))
     path.unlink()
     return rows
+
+
+@contextmanager
+def work_dir(parent: Path) -> Iterator[Path]:
+    """A fresh directory under `parent` (on the filesystem to measure), removed after."""
+    work = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=parent))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure_size(work: Path, size: int, total: int, threads: int, repeat: int, dd: bool,
+                 o_direct: str | bool,
+                 deadline: float | None = None) -> tuple[list[Row], list[str]]:
+    """Every figure for blocks of `size` bytes, `total` bytes per pass, in `work`:
+    the rows, and how the page cache was dropped before each read pass."""
+    count = total // size
+    instance = f"bench{uuid.uuid4().hex[:8]}"
+    with SharedRegion.create(instance, num_blocks=count, page_size=size) as region:
+        try:
+            data = region.numpy()
+            for i in range(count):
+                data[i, :size] = memoryview(os.urandom(size))
+            del data  # no view may outlive the region
+            return bench_size(work, region, count, threads, repeat, dd, o_direct, deadline)
+        finally:
+            region.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,27 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.o_direct = {"auto": "auto", "true": True, "false": False}[args.o_direct]
 
-    work = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=args.dir))
     total = args.total_mib << 20
-    print(f"disk tier bench in {work} ({fs_type(work)}), {args.total_mib} MiB per pass, "
-          f"tier threads {args.threads}, median of {args.repeat}")
-    print(f"{'block':>8}  {'what':<32} {'GB/s':>6} {'ratio':>6}  notes")
     all_how: list[str] = []
     verdicts: list[str] = []
-    try:
+    with work_dir(args.dir) as work:
+        print(f"disk tier bench in {work} ({fs_type(work)}), {args.total_mib} MiB per pass, "
+              f"tier threads {args.threads}, median of {args.repeat}")
+        print(f"{'block':>8}  {'what':<32} {'GB/s':>6} {'ratio':>6}  notes")
         for size in (parse_size(s) for s in args.sizes.split(",")):
-            count = total // size
-            instance = f"bench{uuid.uuid4().hex[:8]}"
-            with SharedRegion.create(instance, num_blocks=count, page_size=size) as region:
-                try:
-                    data = region.numpy()
-                    for i in range(count):
-                        data[i, :size] = memoryview(os.urandom(size))
-                    del data  # no view may outlive the region
-                    rows, how = bench_size(work, region, count, args.threads, args.repeat,
-                                           not args.no_dd, args.o_direct)
-                finally:
-                    region.unlink()
+            rows, how = measure_size(work, size, total, args.threads, args.repeat,
+                                     not args.no_dd, args.o_direct)
             all_how += how
             for row in rows:
                 ratio = f"{row.base:6.2f}" if row.base is not None else f"{'':6}"
@@ -337,8 +367,6 @@ def main(argv: list[str] | None = None) -> int:
                         ok = row.base >= goal
                         verdicts.append(f"{human(size)} {row.what}: {row.base:.2f} of its "
                                         f"baseline, goal {goal}: {'met' if ok else 'NOT met'}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     methods = sorted(set(all_how))
     worked = methods == ["drop_caches"]
     dropped = "/proc/sys/vm/drop_caches (worked)" if worked else "; ".join(methods)

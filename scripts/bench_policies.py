@@ -3,6 +3,8 @@
 and prefix hit ratios on the Mooncake trace when it is present.
 
     python scripts/bench_policies.py [--keys 1000000] [--ops 200000] [--trace PATH]
+
+`bench_ops` and `OrderedDictLRU` are also what `tierkv bench policies` runs.
 """
 
 from __future__ import annotations
@@ -27,14 +29,18 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big")
 
 
-def timed(fn: Callable[[], None], ops: int, repeats: int) -> float:
-    """Median ops/s over `repeats` runs."""
-    rates = []
+def timed(fn: Callable[[], None], ops: int, repeats: int,
+          deadline: float | None = None) -> list[float]:
+    """ops/s of each of `repeats` runs (fewer once `time.monotonic()` passes
+    `deadline`; at least one)."""
+    rates: list[float] = []
     for _ in range(repeats):
+        if rates and deadline is not None and time.monotonic() > deadline:
+            break
         t0 = time.perf_counter()
         fn()
         rates.append(ops / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    return rates
 
 
 class OrderedDictLRU:
@@ -57,7 +63,9 @@ class OrderedDictLRU:
         return [self.d.popitem(last=False) for _ in range(n)]
 
 
-def bench_ops(policy, n_keys: int, n_ops: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+def bench_ops(policy, n_keys: int, n_ops: int, repeats: int,  # noqa: ANN001
+              deadline: float | None = None) -> dict[str, list[float]]:
+    """ops/s per repeat of lookup, touch and evict+insert, `n_keys` resident."""
     for i in range(n_keys):
         policy.insert(key(i), i)
     probe = [key((i * 7919) % n_keys) for i in range(n_ops)]
@@ -79,10 +87,14 @@ def bench_ops(policy, n_keys: int, n_ops: int, repeats: int) -> dict[str, float]
             insert(key(next(fresh)), v)
 
     return {
-        "lookup": timed(lookup, n_ops, repeats),
-        "touch": timed(touch, n_ops, repeats),
-        "evict+insert": timed(evict_insert, n_ops, repeats),
+        "lookup": timed(lookup, n_ops, repeats, deadline),
+        "touch": timed(touch, n_ops, repeats, deadline),
+        "evict+insert": timed(evict_insert, n_ops, repeats, deadline),
     }
+
+
+def medians(runs: dict[str, list[float]]) -> dict[str, float]:
+    return {op: statistics.median(rates) for op, rates in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"policy operations at {args.keys:,} resident keys, {args.ops:,} ops, "
           f"median of {args.repeats} (ops/s, ratio to a bare OrderedDict LRU)")
-    base = bench_ops(OrderedDictLRU(), args.keys, args.ops, args.repeats)
+    base = medians(bench_ops(OrderedDictLRU(), args.keys, args.ops, args.repeats))
     rows = {"OrderedDict": base}
     for name in ("lru", "arc"):
-        rows[name] = bench_ops(make_policy(name, args.keys), args.keys, args.ops, args.repeats)
+        rows[name] = medians(bench_ops(make_policy(name, args.keys), args.keys, args.ops,
+                                       args.repeats))
     print(f"{'policy':<12}" + "".join(f"{op:>26}" for op in base))
     for name, r in rows.items():
         cells = "".join(f"{r[op]:>16,.0f} ({r[op] / base[op]:4.2f}x)" for op in base)

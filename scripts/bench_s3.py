@@ -14,6 +14,8 @@ threads, streaming straight from and into rows of a real shared-memory region.
 moto is a Python emulator (here on this machine's cores, sharing them with the
 client), so these figures say how well the tier uses concurrency, not what a real
 S3 delivers. Without --endpoint-url a moto server is started on loopback.
+
+`run` is also what `tierkv bench s3` runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,14 @@ class Row:
     size: int
     op: str
     what: str
-    mbps: float
+    mbps: float  # median over repeats
     naive: float
     concurrent: float | None = None
+    samples: list[float] = field(default_factory=list)  # MB/s, one per repeat
+    # Per repeat, this method's throughput over the naive loop's and over boto3's
+    # transfer manager's, measured in the same repeat.
+    vs_naive: list[float] = field(default_factory=list)
+    vs_boto3: list[float] = field(default_factory=list)
 
 
 def parse_size(text: str) -> int:
@@ -155,7 +162,10 @@ class Bench:
             assert bytes(self.region.block(i)) == self.datas[i], "tier GET returned wrong bytes"
 
 
-def run(endpoint: str, sizes: list[int], total: int, threads: int, repeat: int) -> list[Row]:
+def run(endpoint: str, sizes: list[int], total: int, threads: int, repeat: int,
+        deadline: float | None = None) -> list[Row]:
+    """Every method, `repeat` times per size (fewer once `time.monotonic()` passes
+    `deadline`; at least once), interleaved."""
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     rows: list[Row] = []
     for size in sizes:
@@ -164,6 +174,8 @@ def run(endpoint: str, sizes: list[int], total: int, threads: int, repeat: int) 
         try:
             seconds: dict[str, list[float]] = {}
             for r in range(repeat):
+                if r and deadline is not None and time.monotonic() > deadline:
+                    break
                 tag = f"r{r}"
                 # Interleaved, so drift in the machine's load hits every method alike.
                 for what in ("naive", "boto3", "tier"):
@@ -172,14 +184,27 @@ def run(endpoint: str, sizes: list[int], total: int, threads: int, repeat: int) 
                         seconds.setdefault(f"{what}_{op}", []).append(timed(fn, tag))
             mb = size * count / 1e6
             for op in ("put", "get"):
-                best = {w: mb / statistics.median(seconds[f"{w}_{op}"])
-                        for w in ("naive", "boto3", "tier")}
-                rows.append(Row(size, op, "naive loop", best["naive"], best["naive"]))
-                rows.append(Row(size, op, "boto3 transfer mgr", best["boto3"], best["naive"]))
-                rows.append(Row(size, op, "tier", best["tier"], best["naive"], best["boto3"]))
+                rows += _rows(size, op, {w: [mb / s for s in seconds[f"{w}_{op}"]]
+                                         for w in ("naive", "boto3", "tier")})
         finally:
             bench.close()
     return rows
+
+
+def _rows(size: int, op: str, mbps: dict[str, list[float]]) -> list[Row]:
+    """The three methods' rows of one size and op, from MB/s per repeat."""
+    best = {w: statistics.median(v) for w, v in mbps.items()}
+
+    def per_repeat(what: str, base: str) -> list[float]:
+        return [m / b for m, b in zip(mbps[what], mbps[base], strict=True)]
+
+    return [
+        Row(size, op, "naive loop", best["naive"], best["naive"], samples=mbps["naive"]),
+        Row(size, op, "boto3 transfer mgr", best["boto3"], best["naive"], samples=mbps["boto3"],
+            vs_naive=per_repeat("boto3", "naive")),
+        Row(size, op, "tier", best["tier"], best["naive"], best["boto3"], samples=mbps["tier"],
+            vs_naive=per_repeat("tier", "naive"), vs_boto3=per_repeat("tier", "boto3")),
+    ]
 
 
 def table(rows: list[Row], threads: int, repeat: int) -> str:
@@ -194,6 +219,13 @@ def table(rows: list[Row], threads: int, repeat: int) -> str:
     return "\n".join(lines)
 
 
+def use_placeholder_credentials() -> None:
+    """boto3 wants credentials; a local moto server takes any. Real ones set in the
+    environment are left as they are."""
+    for name, value in ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="256K,2M")
@@ -203,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint-url", help="an S3 endpoint on loopback (default: start moto)")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    for name, value in ENV.items():
-        os.environ.setdefault(name, value)
+    use_placeholder_credentials()
     if args.endpoint_url:
         rows = run(args.endpoint_url, sizes, args.total_mib << 20, args.threads, args.repeat)
     else:

@@ -21,12 +21,14 @@ the worst case); "mixed": consecutive CPU ids, scattered GPU ids.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,21 +127,22 @@ def run_job(engine: TransferEngine, direction: str, gpu: list[int], cpu: list[in
     return elapsed
 
 
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
 def paired(
-    engine: TransferEngine, refs: dict[str, object], gpu: list[int], cpu: list[int],
+    engine: TransferEngine, refs: Mapping[str, Callable[[], object]], gpu: list[int],
+    cpu: list[int],
     repeats: int,
 ) -> dict[str, tuple[list[float], list[float]]]:
     """Per direction: (engine seconds, reference seconds), interleaved per repeat."""
     out: dict[str, tuple[list[float], list[float]]] = {"store": ([], []), "load": ([], [])}
     for r in range(repeats + 1):  # the first round warms caches and page tables
         for direction in ("store", "load"):
-            ref = timed(refs[direction])  # type: ignore[arg-type]
+            ref = timed(refs[direction])
             eng = run_job(engine, direction, gpu, cpu)
             if r:
                 out[direction][0].append(eng)
@@ -154,7 +157,7 @@ def bench_cpu(kind: str, page: int, blocks: int, patterns: list[str], repeats: i
     layout = make_layout(kind, page, capacity(blocks))
     instance = f"bench{uuid.uuid4().hex[:8]}"
     rows = []
-    refs: dict[str, object] = {}
+    refs: dict[str, Callable[[], object]] = {}
     with SharedRegion.create(instance, capacity(blocks), page) as region, \
             allocate_kv_cache(instance, 0, layout) as kv:
         opened = open_kv_cache(kv.registration())
@@ -176,7 +179,8 @@ def bench_cpu(kind: str, page: int, blocks: int, patterns: list[str], repeats: i
     return rows
 
 
-def _flat_copies(kv: KVCache, region: SharedRegion, total: int) -> dict[str, object]:
+def _flat_copies(kv: KVCache, region: SharedRegion, total: int
+                 ) -> dict[str, Callable[[], object]]:
     """The reference copies: one np.copyto of `total` bytes between the KV cache's
     segment and the region's rows, each way."""
     seg = torch.empty(0, dtype=torch.uint8).set_(kv.tensors[0].untyped_storage())
@@ -185,8 +189,8 @@ def _flat_copies(kv: KVCache, region: SharedRegion, total: int) -> dict[str, obj
     kv_flat.fill(7)  # fault every page in before timing
     region_flat.fill(0)
     return {
-        "store": lambda a=region_flat, b=kv_flat: np.copyto(a, b),
-        "load": lambda a=kv_flat, b=region_flat: np.copyto(a, b),
+        "store": functools.partial(np.copyto, region_flat, kv_flat),
+        "load": functools.partial(np.copyto, kv_flat, region_flat),
     }
 
 

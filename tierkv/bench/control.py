@@ -1,0 +1,55 @@
+"""`tierkv bench control`: the broker's round trips against the in-process manager.
+
+The ideal of a control plane in its own process is the same calls on the same
+manager in the caller's process: the ratio (in-process time / broker time) is the
+share of that ideal the service keeps after ZeroMQ, msgpack and a process hop.
+Measured by `scripts/bench_broker.py`'s `control_plane`: a lookup of 64 resident
+keys, and one engine step of 256 requests x 64 keys in one batched round trip,
+once with every key a hit (each lookup walks all 64 keys) and once missing at the
+first key (the per-request overhead alone).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tierkv.bench.common import Options, Part, Row, Stat, ratio
+
+# The CPU tier's page size does not matter to the control plane: small pages keep
+# the node's shared memory small. Blocks: the least the bench node takes.
+PAGE = 16 * 1024
+BLOCKS = 512
+
+
+def run(part: Part, opts: Options) -> None:
+    from scripts.bench_broker import (
+        KEYS_PER_REQUEST,
+        REQUESTS_PER_STEP,
+        bench_node,
+        control_plane,
+    )
+
+    repeats = opts.pick(2, 5)
+    rounds = 100 if opts.quick else 2000
+    with bench_node(BLOCKS, PAGE) as (client, _kv):
+        runs = control_plane(client, rounds, repeats)
+    step = f"step {REQUESTS_PER_STEP} req x {KEYS_PER_REQUEST} keys"
+    labels = {
+        "lookup": (f"lookup {KEYS_PER_REQUEST} keys, round trip", "us", 1e6, True),
+        "step_hit": (f"{step}, all hits", "ms", 1e3, True),
+        "step_miss": (f"{step}, miss at the first key", "ms", 1e3, True),
+    }
+    for name, (label, unit, scale, headline) in labels.items():
+        remote, local = ([statistics.median(r) for r in rep] for rep in runs[name])
+        part.add(Row(
+            "control", label, Stat.of(remote).scaled(scale), unit,
+            "in-process TieringManager", ratio(local, remote), Stat.of(local).scaled(scale),
+            headline=headline,
+            note=f"median per repeat of {len(runs[name][0][0])} calls, {repeats} repeats"))
+    keys = REQUESTS_PER_STEP * KEYS_PER_REQUEST
+    remote, local = ([keys / statistics.median(r) / 1e6 for r in rep] for rep in runs["step_hit"])
+    part.add(Row("control", "keys through lookup, batched step of hits", Stat.of(remote),
+                 "M keys/s", "in-process TieringManager", ratio(remote, local),
+                 Stat.of(local), headline=False))
+    part.note(f"per key in a step of hits: {1 / statistics.median(remote):.3f} us "
+              "through the broker")
