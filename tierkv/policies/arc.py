@@ -25,8 +25,8 @@ class ARCPolicy(CachePolicy[K, V]):
         super().__init__(capacity)
         self.t1: OrderedDict[K, V] = OrderedDict()
         self.t2: OrderedDict[K, V] = OrderedDict()
-        self.b1: OrderedDict[K, None] = OrderedDict()
-        self.b2: OrderedDict[K, None] = OrderedDict()
+        self.b1: OrderedDict[K, Any] = OrderedDict()  # ghosts: no blocks, only keys
+        self.b2: OrderedDict[K, Any] = OrderedDict()
         self.p = 0.0  # target size of T1
 
     def get(self, key: K) -> V | None:
@@ -66,60 +66,53 @@ class ARCPolicy(CachePolicy[K, V]):
     def evict(self, n: int, protected: Container[K]) -> list[tuple[K, V]] | None:
         if n <= 0:
             return []
-        if n == 1:
-            victim = self._evict_one_fast(protected)
-            if victim is not None:
-                return [victim]
-        # Walk both lists lazily from their LRU ends: usually the first candidate
-        # of one list is the victim, so an eviction costs O(1), not O(len).
-        from_t1 = _unprotected(self.t1, protected)
-        from_t2: Iterator[K] | None = None
-        next1 = next(from_t1, None)
-        next2: K | None = None
-        t1_size = len(self.t1)
-        chosen: list[tuple[bool, K]] = []  # (came from T1, key)
-        while len(chosen) < n:
-            if next1 is not None and t1_size > self.p:
-                chosen.append((True, next1))
-                t1_size -= 1
-                next1 = next(from_t1, None)
-                continue
-            if from_t2 is None:
-                from_t2 = _unprotected(self.t2, protected)
-                next2 = next(from_t2, None)
-            if next2 is not None:
-                chosen.append((False, next2))
-                next2 = next(from_t2, None)
-            elif next1 is not None:
-                chosen.append((True, next1))
-                t1_size -= 1
-                next1 = next(from_t1, None)
-            else:
+        chosen = self._choose_one(protected) if n == 1 else None
+        if chosen is None:
+            chosen = self._choose(n, protected)
+            if chosen is None:
                 return None
-        victims = []
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        for in_t1, key in chosen:
-            if in_t1:
-                victims.append((key, t1.pop(key)))
-                b1[key] = None
-            else:
-                victims.append((key, t2.pop(key)))
-                b2[key] = None
+        victims = [(key, self._demote(from_t1, key)) for from_t1, key in chosen]
         self._trim_ghosts()
         return victims
 
-    def _evict_one_fast(self, protected: Container[K]) -> tuple[K, V] | None:
-        """The common case: the LRU end of the list ARC would pick is evictable."""
-        entries, ghosts = (self.t1, self.b1) if len(self.t1) > self.p else (self.t2, self.b2)
+    def _choose_one(self, protected: Container[K]) -> list[tuple[bool, K]] | None:
+        """The common case, O(1): the head of the list `_choose` would start from is
+        evictable. None sends the caller to the general walk."""
+        from_t1 = bool(self.t1) and (len(self.t1) > self.p or not self.t2)
+        entries = self.t1 if from_t1 else self.t2
         if not entries:
             return None
         key = next(iter(entries))
-        if key in protected:
-            return None
-        ghosts[key] = None
-        victim = (key, entries.pop(key))
-        self._trim_ghosts()
-        return victim
+        return None if key in protected else [(from_t1, key)]
+
+    def _choose(self, n: int, protected: Container[K]) -> list[tuple[bool, K]] | None:
+        """Pick `n` victims without changing anything: T1's LRU end while T1 is above
+        its target, else T2's; the other list when one runs out of candidates.
+        The lists are walked lazily, so the usual cost is O(n)."""
+        from_t1 = _unprotected(self.t1, protected)
+        from_t2 = _unprotected(self.t2, protected)
+        next1, next2 = next(from_t1, None), next(from_t2, None)
+        t1_size = len(self.t1)
+        chosen: list[tuple[bool, K]] = []
+        while len(chosen) < n:
+            if next1 is not None and (t1_size > self.p or next2 is None):
+                chosen.append((True, next1))
+                t1_size -= 1
+                next1 = next(from_t1, None)
+            elif next2 is not None:
+                chosen.append((False, next2))
+                next2 = next(from_t2, None)
+            else:
+                return None
+        return chosen
+
+    def _demote(self, from_t1: bool, key: K) -> V:
+        """Move a victim to its ghost list; returns its value."""
+        if from_t1:
+            self.b1[key] = None
+            return self.t1.pop(key)
+        self.b2[key] = None
+        return self.t2.pop(key)
 
     def _trim_ghosts(self) -> None:
         c = self.capacity
