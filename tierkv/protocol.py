@@ -213,8 +213,8 @@ def _checker(tp: Any) -> Checker:  # noqa: C901 - one branch per supported type
                 raise ProtocolError(f"{where}: expected a list, got {type(v).__name__}")
             if len(v) > MAX_LIST:
                 raise ProtocolError(f"{where}: {len(v)} items exceeds {MAX_LIST}")
-            if exact is not None:  # fast path for lists of plain scalars
-                if not all(type(x) is exact for x in v):
+            if exact is not None:  # fast path for lists of plain scalars (C-level loops)
+                if v and set(map(type, v)) != {exact}:
                     bad = next(x for x in v if type(x) is not exact)
                     raise ProtocolError(
                         f"{where}: expected {exact.__name__} items, got {type(bad).__name__}"
