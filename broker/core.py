@@ -328,11 +328,16 @@ class BrokerCore:
             return
         current = self._workers.get(hello.rank)
         if current is not None and current.identity != identity:
-            if _alive(current):
+            # The same process on a new session gave up on this broker while it hung:
+            # refusing it would make it exit. Nothing to fence: a worker closes its
+            # transfer engine, which waits for its copies, before it says hello again.
+            same = (current.pid, current.start_time) == (hello.pid, hello.start_time)
+            if _alive(current) and not same:
                 self._refuse("worker", identity, f"rank {hello.rank} is taken by "
                              f"pid {current.pid}")
                 return
-            self._peer_gone(current, "replaced by a new worker", fence_it=False)
+            self._peer_gone(current, "said hello on a new session" if same
+                            else "replaced by a new worker", fence_it=False)
         peer = Peer(identity, "worker", f"rank{hello.rank}", hello.pid, hello.start_time,
                     connected_at=now, last_seen=now, state=PeerState.READY,
                     extra={"rank": hello.rank, "device": hello.device,

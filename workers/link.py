@@ -117,10 +117,9 @@ class BrokerLink:
             if isinstance(msg, Bye):
                 raise BrokerLost(f"broker said bye ({msg.reason})")
             if isinstance(msg, Refused) and self.welcome is not None:
-                # Fault-suite fix (issue 10): a broker restarted on the same address
-                # answers this session's heartbeats with "say hello first". Those
-                # answers kept `last_seen` fresh, so the peer never noticed and never
-                # said hello again: the node stayed without workers and tiers.
+                # A broker restarted on the same address answers this session's
+                # heartbeats with "say hello first". As traffic they would keep
+                # `last_seen` fresh: the peer would never say hello again.
                 raise BrokerLost(f"the broker no longer knows this session ({msg.reason})")
             if isinstance(msg, Heartbeat):
                 continue

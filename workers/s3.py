@@ -304,6 +304,8 @@ class S3Backend(TierBackend):
             )
         self._check_options(bucket, addressing_style, retry_mode, max_concurrency, max_attempts,
                             budget_bytes)
+        _check_key_path(f"s3 tier {name!r}: prefix", prefix.strip("/"))
+        _check_key_path(f"s3 tier {name!r}: namespace", namespace)
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.namespace = namespace
@@ -759,6 +761,18 @@ class S3Backend(TierBackend):
 
 
 # -- gc --------------------------------------------------------------------------------
+
+
+def _check_key_path(label: str, path: str) -> None:
+    """Some S3-compatible stores (file-backed MinIO, proxies) resolve `.` and `..` in
+    object names, so a prefix or namespace made of them could reach another tenant's
+    objects; control characters break listings. Both are refused."""
+    if not path:
+        return
+    bad = [part for part in path.split("/") if part in ("", ".", "..")]
+    if bad or any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+        raise TierConfigError(f"{label} {path!r} must be '/'-separated names without empty, "
+                              f"'.' or '..' parts or control characters")
 
 
 def gc(entry: dict[str, Any], namespace: str, older_than_s: float, dry_run: bool) -> int:

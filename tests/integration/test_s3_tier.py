@@ -157,7 +157,8 @@ def test_corrupted_object_is_detected_deleted_and_a_miss(node_a, s3_server, buck
     raw.put_object(Bucket=bucket, Key=name, Body=good[:-1] + bytes([good[-1] ^ 0xFF]))
     step_until(c, lambda: not c.lookup([ks[0]], "r2").pending, timeout=15)
     stats = tier_stats(c)
-    assert stats["errors_corrupt"] == 1 and stats["loads_failed"] >= 1
+    assert stats["failures"].get("corrupt", 0) == 1 and stats["loads_failed"] >= 1
+    step_until(c, lambda: breaker(c)["errors_corrupt"] == 1, timeout=5)  # the tier's own count
     assert c.lookup([ks[0]], "r2").hits == 0
     assert "Contents" not in raw.list_objects_v2(Bucket=bucket, Prefix=name)
     promote(node_a, c, [ks[1]], [24], "r2")  # its neighbour is intact

@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -94,7 +95,8 @@ class FlakyEndpoint:
     real: `down()` closes the port (connections are refused), `up()` opens it
     again on the same port, `drop_next(n)` closes the next n connections without
     an answer, `throttle_next(n)` answers them `503 SlowDown`, `stall(True)` holds
-    new connections open and never answers (a hung endpoint)."""
+    new connections open and never answers (a hung endpoint), `delay_s` sends each
+    chunk of every answer that much late (slow I/O)."""
 
     def __init__(self, target_url: str) -> None:
         from urllib.parse import urlsplit
@@ -110,6 +112,7 @@ class FlakyEndpoint:
         self._stall = False
         self._stalled: list[socket.socket] = []
         self.accepted = 0
+        self.delay_s = 0.0
 
     @property
     def endpoint_url(self) -> str:
@@ -185,12 +188,14 @@ class FlakyEndpoint:
         upstream.settimeout(None)
         with self._lock:
             self._conns.update((client, upstream))
-        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
         self._pump(client, upstream)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool = False) -> None:
         try:
-            while data := src.recv(262144):
+            while data := src.recv(65536 if answers else 262144):
+                if answers and self.delay_s:
+                    time.sleep(self.delay_s)
                 dst.sendall(data)
         except OSError:
             pass

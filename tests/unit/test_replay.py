@@ -95,3 +95,14 @@ def test_histarc_beats_lru_on_a_scan_heavy_synthetic_workload():
     trace = generate_workload("scan", 1000, seed=0)
     lru, ours = replay(trace, 500, "lru"), replay(trace, 500, "histarc")
     assert ours.hit_ratio > 1.5 * lru.hit_ratio
+
+
+def test_oracle_admission_bound_on_the_hand_trace():
+    """scripts/policy_bound.py: storing only blocks used again, LRU keeps 1 2 3 and
+    never stores 4, which is what Belady with bypass does here: 7 hits of 11."""
+    from scripts.policy_bound import oracle_admission
+
+    assert oracle_admission(HAND, 3, "lru") == pytest.approx(7 / 11)
+    # Capacity 1: a request's own blocks are not evicted for each other, so 1 is
+    # kept and 2, 3 are not stored: one hit in each of the three later requests.
+    assert oracle_admission(HAND, 1, "lru") == pytest.approx(3 / 11)

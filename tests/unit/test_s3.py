@@ -192,6 +192,16 @@ def test_bad_options_are_one_clear_error(s3_entry):
         S3Backend(**entry_options(s3_entry, addressing_style="sideways"))
 
 
+@pytest.mark.parametrize("option, value", [("namespace", "../other-tenant"),
+                                           ("namespace", "model//fp16"),
+                                           ("prefix", "tierkv/./x"),
+                                           ("namespace", "model\nfp16")])
+def test_prefix_and_namespace_cannot_leave_their_place(s3_entry, option, value):
+    """Object names stay under `prefix/namespace/`, even for stores that resolve `..`."""
+    with pytest.raises(TierConfigError, match=option):
+        S3Backend(**entry_options(s3_entry, **{option: value}))
+
+
 def test_missing_bucket_fails_the_start_naming_bucket_endpoint_and_cause(s3_server, s3_entry):
     bucket = unique_bucket("missing")
     with pytest.raises(TierError) as e:
