@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -517,6 +518,7 @@ class BrokerCore:
         now = self.clock()
         return {
             "instance": self.config.instance,
+            "pid": os.getpid(),  # the supervisor's probe kills this pid when it hangs
             "state": self.state.value,
             "uptime_s": now - self.started_at,
             "broker": dict(self.counters),

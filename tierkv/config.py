@@ -96,6 +96,10 @@ class SupervisorConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 10.0
     log_lines: int = 40  # recent lines of each child kept for error reports
+    # A broker that answered once and then misses this many `stats` probes in a row
+    # (each waits broker_probe_s) is hung: killed and restarted. 0 turns probes off.
+    broker_probe_s: float = 5.0
+    broker_probe_misses: int = 3
 
 
 @dataclass
@@ -258,6 +262,10 @@ def _check(c: Config) -> None:
         fail("worker.device", f"must be auto, cpu or cuda, got {c.worker.device!r}")
     if c.client.timeout_s <= 0:
         fail("client.timeout_s", "must be positive")
+    if c.supervisor.broker_probe_s < 0:
+        fail("supervisor.broker_probe_s", "must be >= 0 (0: no probes)")
+    if c.supervisor.broker_probe_misses < 1:
+        fail("supervisor.broker_probe_misses", "must be >= 1")
     if bool(c.broker.curve_secret_file) != bool(c.broker.curve_authorized_dir):
         fail("broker.curve_secret_file", "and broker.curve_authorized_dir go together")
     if bool(c.client.curve_secret_file) != bool(c.client.curve_server_public_file):

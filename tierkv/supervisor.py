@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +181,41 @@ class Node:
         self.stop()
 
 
+class BrokerProbe(threading.Thread):
+    """Asks the broker for `stats` every `interval_s` on its own thread (a hung
+    broker must not stall the watch loop). Restarts only follow exits, and a hung
+    broker does not exit: clients would get `BrokerUnavailable` for as long as it
+    hangs. A broker counts as hung once it has answered and then misses `misses`
+    probes in a row; the pid that answered is reported, so a broker still starting
+    (prefaulting a large region) or already replaced is never the one killed."""
+
+    def __init__(self, config: Config, misses: int, interval_s: float) -> None:
+        super().__init__(name="broker-probe", daemon=True)
+        self.config = config
+        self.misses = misses
+        self.interval_s = interval_s
+        self.hung_pid: int | None = None
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        from tierkv.client import BrokerUnavailable, Client, RemoteError
+
+        answered: int | None = None
+        missed = 0
+        address, curve = self.config.connect_address("client"), self.config.client.curve_keys()
+        while not self._stop.wait(self.interval_s):
+            try:
+                with Client(address, timeout=self.interval_s, curve=curve) as client:
+                    answered, missed = int(client.stats()["pid"]), 0
+            except (BrokerUnavailable, RemoteError, OSError):
+                missed += 1
+                if answered is not None and missed >= self.misses:
+                    self.hung_pid, answered, missed = answered, None, 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Supervisor:
     """Runs a `Node` until SIGINT/SIGTERM: restarts a child that dies with capped
     exponential backoff (the broker re-admits it, a disk tier recovers its
@@ -195,6 +231,9 @@ class Supervisor:
         self._specs = {spec.name: spec for spec in node.specs()}
         self._backoff: dict[str, float] = {}
         self._due: dict[str, float] = {}  # name -> when to restart it
+        probe = node.config.supervisor
+        self.probe = (BrokerProbe(node.config, probe.broker_probe_misses, probe.broker_probe_s)
+                      if probe.broker_probe_s > 0 else None)
 
     def request_stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -211,11 +250,16 @@ class Supervisor:
         log.info("node %s up: %s", self.config.instance,
                  ", ".join(f"{c.name}={c.pid}" for c in self.node.children.values()))
         self._write_status()
+        if self.probe is not None:
+            self.probe.start()
         try:
             while not self.stopping:
+                self.kill_hung_broker()
                 self.watch()
                 time.sleep(0.1)
         finally:
+            if self.probe is not None:
+                self.probe.stop()
             log.info("stopping node %s", self.config.instance)
             codes = self.node.stop()
             self.status_path.unlink(missing_ok=True)
@@ -223,6 +267,19 @@ class Supervisor:
         if bad:
             log.warning("children exited with %s", bad)
         return 0
+
+    def kill_hung_broker(self) -> None:
+        """SIGKILL the broker the probe found hung; `watch` restarts it as after a crash.
+        Only our own child, and only the pid that stopped answering."""
+        probe = self.probe
+        if probe is None or probe.hung_pid is None:
+            return
+        hung, probe.hung_pid = probe.hung_pid, None
+        broker = self.node.children.get("broker")
+        if broker is not None and broker.pid == hung and broker.proc.poll() is None:
+            log.warning("broker (pid %d) missed %d probes of %.1fs in a row: hung; killing "
+                        "it to restart it", hung, probe.misses, probe.interval_s)
+            broker.proc.kill()
 
     def watch(self) -> None:
         """One round: notice deaths, restart what is due."""

@@ -66,15 +66,17 @@ def seed_from_env() -> int:
 
 def fault_config(instance: str, run_dir: Path, tiers: list[dict[str, Any]],
                  **sections: Any) -> Config:
-    """Heartbeats of 0.5 s and job deadlines of 3 s, so a fault is detected in seconds;
-    a short restart backoff, so recovery is measured, not waited for."""
+    """Heartbeats of 0.5 s, job deadlines of 3 s and broker probes of 1 s, so a fault
+    is detected in seconds; a short restart backoff, so recovery is measured, not
+    waited for."""
     base: dict[str, Any] = {
         "cpu": {"num_blocks": 48, "page_size": PAGE},
         "broker": {"heartbeat_s": 0.5, "job_timeout_s": 3.0, "tick_ms": 2.0,
                    "drain_timeout_s": 2.0},
         "client": {"timeout_s": 3.0},
         "supervisor": {"ready_timeout_s": 60.0, "stop_timeout_s": 15.0,
-                       "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0},
+                       "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0,
+                       "broker_probe_s": 1.0, "broker_probe_misses": 3},
     }
     for name, value in sections.items():
         base[name] = {**base.get(name, {}), **value} if isinstance(value, dict) else value

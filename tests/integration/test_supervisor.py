@@ -93,6 +93,7 @@ def node(tmp_path_factory):
     instance = new_instance()
     run_dir = tmp_path_factory.mktemp("node")
     config = make_config(instance, run_dir, broker={"metrics_port": free_port()},
+                         supervisor={"broker_probe_s": 0.5, "broker_probe_misses": 3},
                          tiers=[{"type": "memory", "name": "mem", "capacity_blocks": 256}])
     proc = start_supervisor(config, run_dir / "node.toml.in")
     kv = None
@@ -143,6 +144,32 @@ def test_killed_child_is_restarted_and_the_node_keeps_serving(node, victim):
                 break
             time.sleep(0.2)
     round_trip(config, kv, keys(100 + len(victim), 200 + len(victim), prefix=victim.encode()[:4]))
+
+
+def test_hung_broker_is_killed_and_restarted_by_the_probe(node):
+    """A SIGSTOPped broker does not exit, so only the probe can notice it: after 3
+    missed probes the supervisor kills that pid, restarts the broker, and the worker
+    (with the engine's KV cache) and the tier say hello to the new one."""
+    config, proc, kv = node
+    old = child_pids(wait_status(config, all_ready(config), proc))["broker"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        after = wait_status(config, lambda s: child_pids(s)["broker"] != old
+                            and all_ready(config)(s), proc, timeout=60)
+    finally:
+        if alive(old):
+            os.kill(old, signal.SIGCONT)
+    assert not alive(old)
+    new = child_pids(after)["broker"]
+    deadline = time.monotonic() + 30
+    with Client.from_config(config) as c:
+        while time.monotonic() < deadline:
+            stats = c.stats()
+            if stats["pid"] == new and sum(p["state"] == "ready" and p.get("kv_attached", True)
+                                          for p in stats["peers"]) == 2:
+                break
+            time.sleep(0.2)
+    round_trip(config, kv, keys(300, 301, 302, prefix=b"hang"))
 
 
 def test_metrics_answer_and_counters_move(node):

@@ -56,6 +56,7 @@ def test_file_values_and_round_trip(tmp_path):
     ("[broker]\nheartbeat_s = -1\n", r"broker.heartbeat_s must be positive"),
     ("[worker]\ndevice = 'tpu'\n", r"worker.device must be auto, cpu or cuda"),
     ("log_level = 'loud'\n", r"log_level must be"),
+    ("[supervisor]\nbroker_probe_misses = 0\n", r"supervisor.broker_probe_misses must be >= 1"),
     ("this is not toml", r"not valid TOML"),
 ])
 def test_mistakes_name_the_key_and_the_file(tmp_path, text, match):
