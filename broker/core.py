@@ -424,9 +424,9 @@ class BrokerCore:
             for identity in tier.overdue(now):
                 holder = self.peers.get(identity)
                 if holder is not None:
-                    self._peer_gone(holder, "a job passed its deadline "
-                                    f"(broker.job_timeout_s={self.config.broker.job_timeout_s})",
-                                    fence_it=True)
+                    self._peer_gone(holder, f"held a job {tier.fence_grace_s:.1f}s past its "
+                                    f"deadline (broker.job_timeout_s="
+                                    f"{self.config.broker.job_timeout_s})", fence_it=True)
         for reg_id, pending in list(self._pending_regs.items()):
             if now > pending.deadline:
                 del self._pending_regs[reg_id]

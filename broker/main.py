@@ -72,6 +72,7 @@ class BrokerProc:
                 tier_name(entry): RemoteTier(
                     tier_name(entry), self._send_tier, clock, config.broker.job_timeout_s,
                     negative_ttl_s=float(entry.get("negative_ttl_s", 2.0)),
+                    fence_grace_s=3 * config.broker.heartbeat_s,
                 )
                 for entry in config.tiers
             }

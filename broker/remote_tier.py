@@ -59,12 +59,14 @@ class RemoteTier(SecondaryTier):
         clock: Callable[[], float],
         job_timeout_s: float = 30.0,
         negative_ttl_s: float = 2.0,
+        fence_grace_s: float = 0.0,
     ) -> None:
         self.name = name
         self.type = "?"
         self._send = send
         self._clock = clock
         self.job_timeout_s = job_timeout_s
+        self.fence_grace_s = fence_grace_s
         self.index = TierIndex(shared=False, negative_ttl=negative_ttl_s, clock=clock)
         self.capacity_bytes: int | None = None
         self._peers: dict[bytes, _TierPeer] = {}
@@ -215,8 +217,11 @@ class RemoteTier(SecondaryTier):
             self._fail_queued(f"no process serves tier {self.name}")
 
     def overdue(self, now: float) -> set[bytes]:
-        """Peers holding a job past its deadline: hung, to be fenced."""
-        return {e.identity for e in self._in_flight.values() if now > e.deadline}
+        """Peers holding a job `fence_grace_s` past its deadline: hung, to be fenced.
+        A live tier fails what it has not started by the deadline and reports it
+        within the grace; only one stuck inside a job does not."""
+        limit = now - self.fence_grace_s
+        return {e.identity for e in self._in_flight.values() if limit > e.deadline}
 
     # -- dispatch (end of step) ---------------------------------------------------------
 

@@ -58,6 +58,7 @@ FD_GROWTH = 5
 PAGE = 32 * 1024
 GPU_BLOCKS = 512
 S3_BUDGET = 2048 * (PAGE + 256)  # the S3 tier's LRU budget: what moto may hold
+WARNING_LINES = 20
 CHUNK = 50  # requests per engine run: the duration is checked between chunks
 # A promotion that reaches a tier after the tier's own budget evicted the key (the
 # eviction is reported in the same completion batch) fails `not_found`: a miss the
@@ -358,6 +359,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "page_size": PAGE, "samples": sampler.samples,
             "start": sampler.samples[0], "warm": warm, "end": end,
             "supervisor_exit": code, "left_behind": left,
+            # What the node warned about (a peer's death and why, a restart): the
+            # counters say that something failed, these lines say what.
+            "warnings": [line for line in node.log.read_text(errors="replace").splitlines()
+                         if " WARNING " in line or " ERROR " in line][-WARNING_LINES:],
             "verdict": verdict(warm, end, code, left),
         }
 
@@ -435,6 +440,9 @@ def render(report: dict[str, Any]) -> str:
     for name, check in report["verdict"]["checks"].items():
         if not check["ok"]:
             lines.append(f"  FAILED {name}: {check}")
+    if report["warnings"]:
+        lines += ["", f"the node's last {len(report['warnings'])} warnings:",
+                  *(f"  {line}" for line in report["warnings"])]
     return "\n".join(lines)
 
 

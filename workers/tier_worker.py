@@ -128,15 +128,10 @@ class TierService(PeerService):
                 "in_flight": runner.in_flight}
 
     def _accept(self, batch: TierJobBatch, runner: JobRunner) -> None:
-        now = time.monotonic()
         for i, job in enumerate(batch.jobs):
             deadline = batch.deadlines[i] if i < len(batch.deadlines) else 0.0
-            if deadline and now > deadline:
-                runner.report(JobResult(job.job_id, False, error_code=ErrorCode.TIMEOUT,
-                                        error="deadline passed before the job started"))
-                continue
             try:
-                runner.submit(job)
+                runner.submit(job, deadline)
             except ValueError as e:
                 runner.report(JobResult(job.job_id, False, error_code=ErrorCode.BAD_REQUEST,
                                         error=str(e)))

@@ -9,6 +9,7 @@ budget at its limit, and only the second test runs.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from collections.abc import Iterator
@@ -62,12 +63,21 @@ def _no_space(nut: NodeUnderTest) -> int:
 
 
 def fill_up(root: Path) -> None:
-    """A ballast file takes all but less than one slab of what the filesystem has."""
-    st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
+    """A ballast file takes all but less than one slab of what the filesystem has.
+    It grows in pieces until ENOSPC: the tier grows its slabs meanwhile, so a size
+    computed from `statvfs` first may no longer fit."""
+    piece = SLAB // 4
     fd = os.open(root / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        os.posix_fallocate(fd, 0, max(0, free - SLAB // 2))
+        size = 0
+        while True:
+            try:
+                os.posix_fallocate(fd, size, piece)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                return
+            size += piece
     finally:
         os.close(fd)
 

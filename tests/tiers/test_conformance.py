@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
 from tierkv.errors import ErrorCode, TierError
 from tierkv.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
+from tierkv.tiers.memory import MemoryBackend
 from tierkv.tiers.runner import JobRunner
 
 BLOCK = 8192
@@ -140,5 +142,38 @@ def test_jobs_through_the_runner_against_shared_memory(backend_factory, instance
             assert runner.drain(30)
             (exists,) = runner.take_finished()
             assert exists.successful_keys == (key(1),)
+        finally:
+            runner.close()
+
+
+class _SlowBackend(MemoryBackend):
+    """Each store takes 50 ms: a queue of them outlives a short deadline."""
+
+    def store(self, key, data, pinned=()):  # noqa: ANN001, ANN201
+        time.sleep(0.05)
+        return super().store(key, data, pinned)
+
+
+def test_keys_not_started_by_the_deadline_fail_as_timeout_without_io(instance):
+    """A tier behind a long queue reports "too late" for what it has not started,
+    instead of running it late and being fenced by the broker for holding it."""
+    with SharedRegion.create(instance, num_blocks=8, page_size=BLOCK) as region:
+        backend = _SlowBackend(capacity_blocks=64, block_bytes=BLOCK)
+        runner = JobRunner(backend, region, threads=1)
+        try:
+            keys = tuple(key(b) for b in range(8))
+            runner.submit(Job(1, keys, tuple(range(8)), JobKind.STORE),
+                          deadline=time.monotonic() + 0.12)
+            assert runner.drain(30)
+            (result,) = runner.take_finished()
+            assert not result.success and result.error_code is ErrorCode.TIMEOUT
+            # The keys that started before the deadline were stored (and reported),
+            # the rest were never written.
+            assert 1 <= len(result.successful_keys) < 8
+            assert result.successful_keys == keys[: len(result.successful_keys)]
+            assert set(backend.inventory()) == set(result.successful_keys)
+            runner.submit(Job(2, keys[:2], (0, 1), JobKind.STORE))  # no deadline: all run
+            assert runner.drain(30)
+            assert runner.take_finished()[0].success
         finally:
             runner.close()

@@ -35,6 +35,7 @@ _PRIORITY = {JobKind.PROMOTION: 0, JobKind.EXISTS: 0, JobKind.STORE: 1, JobKind.
 class _JobState:
     job: Job
     remaining: int
+    deadline: float = 0.0  # time.monotonic(); 0: none
     started: float = field(default_factory=time.perf_counter)
     ok: list[bool] = field(default_factory=list)
     bytes_moved: int = 0
@@ -71,12 +72,15 @@ class JobRunner:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, deadline: float = 0.0) -> None:
+        """Queue `job`. A key not started by `deadline` (time.monotonic()) fails with
+        `timeout` instead of running: behind a long queue the broker would rather
+        hear "too late" than wait, and fence a live process, for work nobody awaits."""
         if job.kind in (JobKind.STORE, JobKind.PROMOTION) and len(job.block_ids) != len(job.keys):
             raise ValueError(
                 f"job {job.job_id}: {len(job.keys)} keys but {len(job.block_ids)} block ids"
             )
-        state = _JobState(job, remaining=len(job.keys))
+        state = _JobState(job, remaining=len(job.keys), deadline=deadline)
         if not job.keys:
             self._finish(self._result(state))
             return
@@ -136,6 +140,8 @@ class JobRunner:
         key = job.keys[index]
         moved = 0
         try:
+            if state.deadline and time.monotonic() > state.deadline:
+                raise TierError(ErrorCode.TIMEOUT, "deadline passed before this key started")
             moved = self._run_key(job, index, key)
             ok, code, message = True, None, ""
         except TierError as e:
