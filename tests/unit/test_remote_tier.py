@@ -1,0 +1,30 @@
+"""The broker's view of a tier process: when a job it holds makes it a hung peer."""
+
+from __future__ import annotations
+
+from broker.remote_tier import RemoteTier
+from tierkv.protocol import TierDoneBatch, TierHello, TierJobBatch
+from tierkv.tiers.base import Job, JobKind, JobResult
+
+
+def test_a_tier_is_overdue_only_a_grace_past_its_jobs_deadline():
+    """A live tier fails the keys it has not started by the deadline and reports them
+    soon after; only one that holds a job the whole grace past it is to be fenced."""
+    now = [100.0]
+    sent: list[tuple[bytes, object]] = []
+    tier = RemoteTier("s3", lambda ident, msg: sent.append((ident, msg)) or True,
+                      lambda: now[0], job_timeout_s=30.0, fence_grace_s=3.0)
+    tier.on_hello(b"t1", TierHello("s3", "s3", pid=1))
+    tier.on_inventory(b"t1", [], last=True)
+    tier.on_credit(b"t1", 8)
+    tier.submit_load(Job(1, (b"k",), (0,), JobKind.PROMOTION))
+    tier.dispatch()
+    (ident, batch), = sent
+    assert ident == b"t1" and isinstance(batch, TierJobBatch)
+    assert batch.deadlines == [130.0]  # the tier learns the deadline with the job
+    now[0] = 131.0
+    assert tier.overdue(now[0]) == set()  # past the deadline, within the grace
+    now[0] = 133.5
+    assert tier.overdue(now[0]) == {b"t1"}
+    tier.on_done(b"t1", TierDoneBatch([JobResult(1, False)], credit=1))
+    assert tier.overdue(now[0]) == set()  # reported: nothing held any more
