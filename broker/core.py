@@ -22,11 +22,13 @@ from typing import Any
 from broker.peers import Peer, PeerState, PeerTable, fence
 from broker.remote_tier import RemoteTier
 from broker.transfers import Transfer, TransferTracker
-from tierkv.config import Config
-from tierkv.errors import ErrorCode, TierError
-from tierkv.keys import OffloadEvent
-from tierkv.primary import BlockStateError
-from tierkv.protocol import (
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.keys import OffloadEvent
+from tierkv.core.primary import BlockStateError
+from tierkv.core.shm import owner_alive
+from tierkv.core.tiering import TieringManager
+from tierkv.node.config import Config
+from tierkv.wire.protocol import (
     BATCHABLE_OPS,
     AttachedKV,
     AttachKV,
@@ -66,8 +68,6 @@ from tierkv.protocol import (
     WorkerHello,
     decode_map,
 )
-from tierkv.shm import owner_alive
-from tierkv.tiering import TieringManager
 
 log = logging.getLogger("broker.core")
 

@@ -9,7 +9,6 @@ the shared region and the socket files, and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
@@ -21,21 +20,24 @@ import zmq
 from broker.core import BrokerCore, RunState
 from broker.metrics import BrokerMetrics
 from broker.remote_tier import RemoteTier
-from tierkv.config import Config, ConfigError, load_config, tier_name
-from tierkv.lifecycle import lifeline_fd, notify_ready, parent_gone
-from tierkv.logs import setup_logging
-from tierkv.primary import PrimaryTier
-from tierkv.protocol import (
+from tierkv.core.primary import PrimaryTier
+from tierkv.core.reuse import ReuseFilter
+from tierkv.core.shm import RegionError, SharedRegion
+from tierkv.core.tiering import TieringManager
+from tierkv.node.config import Config, ConfigError, tier_name
+from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.node.process import process_parser, start_process
+from tierkv.wire.protocol import (
     CLIENT_OPS,
+    TIER_OPS,
+    WORKER_OPS,
     Message,
     ProtocolError,
     decode,
     encode,
     peek_id,
 )
-from tierkv.reuse import ReuseFilter
-from tierkv.shm import RegionError, SharedRegion
-from tierkv.sockets import (
+from tierkv.wire.sockets import (
     AddressError,
     CurveError,
     bind,
@@ -45,13 +47,9 @@ from tierkv.sockets import (
     remove_ipc_file,
     start_authenticator,
 )
-from tierkv.tiering import TieringManager
 
 log = logging.getLogger("broker")
 
-WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
-TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb",
-                      "bye"})
 MAX_MESSAGES_PER_WAKEUP = 2000
 METRICS_S = 0.5  # how often the metrics endpoint's snapshot is refreshed
 
@@ -218,21 +216,12 @@ class BrokerProc:
         log.info("broker %s stopped", self.config.instance)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv-broker", description="the tierkv broker")
-    parser.add_argument("-c", "--config", help="tierkv.toml (default: built-in defaults)")
-    parser.add_argument("-v", "--verbose", action="count", default=0)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        print(f"tierkv-broker: {e}", file=sys.stderr)
-        return 2
-    setup_logging("broker", config.log_level, args.verbose)
+    started = start_process(process_parser("tierkv-broker", "the tierkv broker"), argv,
+                            "broker")
+    if isinstance(started, int):
+        return started
+    _, config = started
     try:
         proc = BrokerProc(config)
     except (RegionError, AddressError, CurveError, ConfigError, zmq.ZMQError, OSError) as e:

@@ -22,7 +22,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from tierkv.shm import process_start_time
+from tierkv.core.shm import process_start_time
 
 log = logging.getLogger("broker.peers")
 

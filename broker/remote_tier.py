@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.errors import LOST, ErrorCode
-from tierkv.keys import OffloadEvent, OffloadKey
-from tierkv.protocol import Message, TierDoneBatch, TierHello, TierJobBatch
+from tierkv.core.errors import LOST, ErrorCode
+from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
 from tierkv.tiers.index import TierIndex
+from tierkv.wire.protocol import Message, TierDoneBatch, TierHello, TierJobBatch
 
 log = logging.getLogger("broker.tier")
 

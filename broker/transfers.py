@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierkv.keys import OffloadKey
-from tierkv.protocol import TransferOutcome, TransferResult
+from tierkv.core.keys import OffloadKey
+from tierkv.wire.protocol import TransferOutcome, TransferResult
 
 
 @dataclass(eq=False)

@@ -18,10 +18,10 @@ import argparse
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
-from tierkv.belady import NEVER, belady, next_uses
-from tierkv.policies import make_policy
-from tierkv.replay import DEFAULT_CAPACITIES, geometric_mean, replay
-from tierkv.traces import read_trace
+from tierkv.bench.belady import NEVER, belady, next_uses
+from tierkv.bench.replay import DEFAULT_CAPACITIES, geometric_mean, replay
+from tierkv.core.policies import make_policy
+from tierkv.workloads.traces import read_trace
 
 DEFAULT_TRACE = (Path(__file__).resolve().parents[1].parent
                  / "shared/data/mooncake-fast25/conversation_trace.jsonl")

@@ -15,11 +15,11 @@ import argparse
 import json
 import sys
 
-from tierkv.config import ConfigError, load_config
+from tierkv.node.config import ConfigError, load_config
 
 
 def _status(args: argparse.Namespace) -> int:
-    from tierkv.status import gather, render
+    from tierkv.node.status import gather, render
 
     config = load_config(args.config)
     status = gather(config, timeout=args.timeout)
@@ -28,7 +28,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from tierkv.sockets import create_keys
+    from tierkv.wire.sockets import create_keys
 
     public, secret = create_keys(args.dir, args.name)
     print(f"public key: {public}\nsecret key: {secret} (owner-only; never share it)")
@@ -36,7 +36,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from scripts.supervise import main as supervise
+    from tierkv.node.supervise import main as supervise
 
     return supervise((["-c", args.config] if args.config else []) + ["-v"] * args.verbose)
 
@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 DELEGATED = {
     "demo": ("tierkv.demo", ()),
-    "replay": ("tierkv.replay", ()),
+    "replay": ("tierkv.bench.replay", ()),
     "bench": ("tierkv.bench", ()),
-    "gc": ("workers.s3", ("gc",)),
+    "gc": ("workers.s3.gc", ()),
 }
 
 

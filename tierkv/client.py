@@ -8,7 +8,7 @@
 
 Every call waits at most `timeout` seconds and then raises `BrokerUnavailable`
 (the socket is rebuilt, so a broker that restarts is found again). A refusal by
-the broker is a `RemoteError` with a `code` from `tierkv.errors.ErrorCode`.
+the broker is a `RemoteError` with a `code` from `tierkv.core.errors.ErrorCode`.
 A `Client` is not thread-safe: one per thread.
 
 Ordering contract for stores: call `store` only after the engine step that
@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import zmq
 
-from tierkv.config import Config, load_config
-from tierkv.keys import OffloadKey, check_keys
-from tierkv.protocol import (
+from tierkv.core.keys import OffloadKey, check_keys
+from tierkv.node.config import Config, load_config
+from tierkv.wire.protocol import (
     BatchRequest,
     BatchResult,
     FinishRequest,
@@ -54,7 +54,7 @@ from tierkv.protocol import (
     to_map,
     to_record,
 )
-from tierkv.sockets import CurveClientKeys, connect, curve_client, make_socket
+from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, make_socket
 
 # The names of DESIGN's public API.
 Lookup = LookupResult

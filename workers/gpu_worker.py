@@ -14,23 +14,23 @@ import os
 import sys
 from typing import Any
 
-from tierkv.config import Config, ConfigError, load_config
-from tierkv.logs import setup_logging
-from tierkv.protocol import (
+from tierkv.core.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.node.config import Config, ConfigError
+from tierkv.node.process import process_parser, start_process
+from tierkv.wire.protocol import (
+    TO_WORKER_OPS,
     AttachedKV,
     AttachKV,
     TransferBatch,
     TransferDoneBatch,
     WorkerHello,
 )
-from tierkv.shm import RegionLayout, SharedRegion, process_start_time
-from tierkv.sockets import CurveError
-from tierkv.wakeup import Wakeup
+from tierkv.wire.sockets import CurveError
+from tierkv.wire.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
 
 log = logging.getLogger("tierkv.worker")
 
-WORKER_BROKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
 CUDA_POLL_S = 0.0002  # how often CUDA events are queried while copies are in flight
 
 
@@ -50,7 +50,7 @@ class WorkerService(PeerService):
         self.wakeup = Wakeup()
 
     def open_session(self, region: SharedRegion) -> BrokerLink:
-        from workers.transfer import TransferEngine  # torch: only in this process
+        from workers.gpu.transfer import TransferEngine  # torch: only in this process
 
         self.engine = TransferEngine(region, self.rank, device=self.device, wakeup=self.wakeup)
         if self.kv is not None:
@@ -63,7 +63,7 @@ class WorkerService(PeerService):
         hello = WorkerHello(self.rank, self.config.cpu.world_size, pid,
                             process_start_time(pid) or 0, _device_kind(self.device),
                             self.registration)
-        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, WORKER_BROKER_OPS,
+        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TO_WORKER_OPS,
                           self.config.client.curve_keys())
         try:
             welcome = link.handshake(hello, self.connect_timeout_s,
@@ -135,25 +135,23 @@ def _device_kind(device: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv-gpu-worker", description="a tierkv gpu worker")
+    parser = process_parser("tierkv-gpu-worker", "a tierkv gpu worker")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("-c", "--config", help="tierkv.toml")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    parser.add_argument("-v", "--verbose", action="count", default=0)
     return parser
 
 
+def _check_rank(args: argparse.Namespace, config: Config) -> None:
+    if not 0 <= args.rank < config.cpu.world_size:
+        raise ConfigError(f"--rank {args.rank} is outside cpu.world_size "
+                          f"{config.cpu.world_size}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = load_config(args.config)
-        if not 0 <= args.rank < config.cpu.world_size:
-            raise ConfigError(f"--rank {args.rank} is outside cpu.world_size "
-                              f"{config.cpu.world_size}")
-    except ConfigError as e:
-        print(f"tierkv-gpu-worker: {e}", file=sys.stderr)
-        return 2
-    setup_logging(f"worker:{args.rank}", config.log_level, args.verbose)
+    started = start_process(build_parser(), argv, lambda a: f"worker:{a.rank}", _check_rank)
+    if isinstance(started, int):
+        return started
+    args, config = started
     # torch takes seconds to import: do it before saying ready, never inside the
     # loop, where it would look like a hang to the broker's heartbeat check.
     import torch  # noqa: F401

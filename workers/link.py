@@ -22,8 +22,9 @@ from types import FrameType
 
 import zmq
 
-from tierkv.lifecycle import lifeline_fd, notify_ready, parent_gone
-from tierkv.protocol import (
+from tierkv.core.shm import RegionError, SharedRegion
+from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.wire.protocol import (
     Bye,
     Heartbeat,
     Message,
@@ -33,9 +34,8 @@ from tierkv.protocol import (
     decode,
     encode,
 )
-from tierkv.shm import RegionError, SharedRegion
-from tierkv.sockets import CurveClientKeys, connect, curve_client, make_socket
-from tierkv.wakeup import Wakeup
+from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, make_socket
+from tierkv.wire.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.link")
 

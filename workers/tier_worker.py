@@ -15,10 +15,16 @@ import sys
 import time
 from typing import Any
 
-from tierkv.config import Config, ConfigError, load_config, tier_name
-from tierkv.errors import ErrorCode, TierError
-from tierkv.logs import setup_logging
-from tierkv.protocol import (
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.node.config import Config, ConfigError, tier_name
+from tierkv.node.process import process_parser, start_process
+from tierkv.tiers.backend import TierBackend
+from tierkv.tiers.base import JobResult
+from tierkv.tiers.registry import TierConfigError, create_backend
+from tierkv.tiers.runner import JobRunner
+from tierkv.wire.protocol import (
+    TO_TIER_OPS,
     Inventory,
     Ready,
     TierDoneBatch,
@@ -26,18 +32,12 @@ from tierkv.protocol import (
     TierJobBatch,
     TierStats,
 )
-from tierkv.shm import RegionLayout, SharedRegion, process_start_time
-from tierkv.sockets import CurveError
-from tierkv.tiers.backend import TierBackend
-from tierkv.tiers.base import JobResult
-from tierkv.tiers.registry import TierConfigError, create_backend
-from tierkv.tiers.runner import JobRunner
-from tierkv.wakeup import Wakeup
+from tierkv.wire.sockets import CurveError
+from tierkv.wire.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
 
 log = logging.getLogger("tierkv.tier")
 
-TIER_BROKER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
 INVENTORY_CHUNK = 50_000
 STATS_S = 1.0  # how often the backend's own figures go to the broker
 
@@ -86,7 +86,7 @@ class TierService(PeerService):
         chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],
                             last=i + INVENTORY_CHUNK >= len(inventory))
                   for i in range(0, len(inventory), INVENTORY_CHUNK)] or [Inventory([], True)]
-        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TIER_BROKER_OPS,
+        link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TO_TIER_OPS,
                           self.config.client.curve_keys())
         try:
             welcome = link.handshake(hello, self.connect_timeout_s, *chunks,
@@ -156,16 +156,14 @@ class TierService(PeerService):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv-tier", description="a tierkv tier process")
+    parser = process_parser("tierkv-tier", "a tierkv tier process")
     parser.add_argument("--type", help="tier type (memory, disk, s3, ...)")
     parser.add_argument("--name", help="the tier's name in the config (default: its type)")
-    parser.add_argument("-c", "--config", help="tierkv.toml")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                         help="a backend option (repeatable); overrides the config entry")
     parser.add_argument("--threads", type=int, default=None, help="I/O threads (default 8)")
     parser.add_argument("--credit", type=int, default=None,
                         help="jobs the broker may send ahead (default 4 x threads)")
-    parser.add_argument("-v", "--verbose", action="count", default=0)
     return parser
 
 
@@ -202,19 +200,21 @@ def resolve_entry(config: Config, name: str | None, type_: str | None,
     return entry
 
 
+def _check_tier(args: argparse.Namespace, config: Config) -> None:
+    args.entry = resolve_entry(config, args.name, args.type, args.opt)
+    args.threads = args.threads or int(args.entry.get("threads", 8))
+    args.credit = args.credit or 4 * args.threads
+    if args.threads < 1 or args.credit < 1:
+        raise ConfigError("--threads and --credit must be positive")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = load_config(args.config)
-        entry = resolve_entry(config, args.name, args.type, args.opt)
-        threads = args.threads or int(entry.get("threads", 8))
-        credit = args.credit or 4 * threads
-        if threads < 1 or credit < 1:
-            raise ConfigError("--threads and --credit must be positive")
-    except ConfigError as e:
-        print(f"tierkv-tier: {e}", file=sys.stderr)
-        return 2
-    setup_logging(f"tier:{tier_name(entry)}", config.log_level, args.verbose)
+    started = start_process(build_parser(), argv, lambda a: f"tier:{tier_name(a.entry)}",
+                            _check_tier)
+    if isinstance(started, int):
+        return started
+    args, config = started
+    entry, threads, credit = args.entry, args.threads, args.credit
     service = TierService(config, entry, threads, credit)
     service.install_signals()
     try:

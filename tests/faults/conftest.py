@@ -20,15 +20,10 @@ import pytest
 
 from tests.conftest import new_instance
 from tests.faults import harness
-from tests.faults.harness import (
-    NodeUnderTest,
-    disk_tier,
-    running_node,
-    s3_tier,
-    seed_from_env,
-)
+from tests.faults.harness import NodeUnderTest, running_node
+from tests.faults.node import disk_tier, s3_tier, seed_from_env
 from tests.tiers.fixtures_s3 import TEST_ENV, FlakyEndpoint, s3_test_env, unique_bucket
-from tierkv.s3server import S3Server
+from tierkv.node.s3server import S3Server
 
 DISK_SLOTS = 8192  # 64 MiB: nothing is evicted in a session, so any missing block is lost
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import new_instance
-from tests.faults.harness import PAGE, FaultRun, NodeUnderTest, disk_tier, running_node
+from tests.faults.harness import FaultRun, NodeUnderTest, running_node
+from tests.faults.node import PAGE, disk_tier
 from workers.disk import slot_bytes_for
 
 SLOT = slot_bytes_for(PAGE)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from broker.core import BrokerCore
 from tests.integration.cluster import make_config
-from tierkv.primary import PrimaryTier
-from tierkv.protocol import Refused, Welcome, WorkerHello
-from tierkv.shm import process_start_time
-from tierkv.tiering import TieringManager
+from tierkv.core.primary import PrimaryTier
+from tierkv.core.shm import process_start_time
+from tierkv.core.tiering import TieringManager
 from tierkv.tiers.index import TierIndex
+from tierkv.wire.protocol import Refused, Welcome, WorkerHello
 
 
 def test_expired_negative_answers_do_not_pile_up():

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.faults.harness import FaultResult, FaultRun, NodeUnderTest, gone, stopped
+from tests.faults.harness import FaultResult, FaultRun, NodeUnderTest, stopped
+from tests.faults.node import gone
 
 PEERS = {  # supervisor child -> (broker peer kind, peer name, label in the figures)
     "worker0": ("worker", "rank0", "worker"),

@@ -6,17 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.faults.harness import (
-    HEADER,
-    PAGE,
-    Driver,
-    EngineKV,
-    FaultResult,
-    Recorder,
-    keys_on_disk,
-)
+from tests.faults.harness import HEADER, FaultResult
+from tests.faults.load import Driver, EngineKV, Recorder
+from tests.faults.node import PAGE, keys_on_disk
 from tests.integration.cluster import key_bytes, make_config
-from tierkv.keys import OffloadEvent
+from tierkv.core.keys import OffloadEvent
 from workers.disk import HEADER_AREA, DiskBackend, namespace_dir, slot_bytes_for
 
 

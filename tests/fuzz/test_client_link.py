@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from tests.conftest import new_instance
 from tests.integration.cluster import leftovers, make_config
 from tierkv.client import Client, RemoteError
-from tierkv.config import dump_config
-from tierkv.lifecycle import spawn, stop, wait_ready
-from tierkv.protocol import PROTOCOL_VERSION, decode
+from tierkv.node.config import dump_config
+from tierkv.node.lifecycle import spawn, stop, wait_ready
+from tierkv.wire.protocol import PROTOCOL_VERSION, decode
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 from botocore.config import Config as BotoConfig
 
 from tests.tiers.fixtures_s3 import TEST_ENV, fixture_s3_entry, fixture_s3_server  # noqa: F401
-from tierkv.blockformat import HEADER_SIZE
-from tierkv.errors import ErrorCode, TierError
+from tierkv.core.blockformat import HEADER_SIZE
+from tierkv.core.errors import ErrorCode, TierError
 from workers.disk import HEADER_AREA, DiskBackend, slot_bytes_for
 
 BLOCK = 16 * 1024

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from tests.conftest import new_instance
 from tests.integration.cluster import Cluster, keys, leftovers, make_config
+from tierkv.core.errors import ErrorCode
 from tierkv.engine import allocate_kv_cache
-from tierkv.errors import ErrorCode
-from tierkv.protocol import (
+from tierkv.tiers.base import JobResult
+from tierkv.wire.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
     Inventory,
@@ -33,7 +34,6 @@ from tierkv.protocol import (
     decode,
     encode,
 )
-from tierkv.tiers.base import JobResult
 
 TRIED = {"worker": 0, "tier": 0}
 

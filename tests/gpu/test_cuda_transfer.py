@@ -21,10 +21,10 @@ pytestmark = [
 
 import msgpack  # noqa: E402
 
+from tierkv.core.shm import SharedRegion  # noqa: E402
 from tierkv.engine import KVCache, KVLayout, OpenedKV  # noqa: E402
-from tierkv.protocol import TransferJob  # noqa: E402
-from tierkv.shm import SharedRegion  # noqa: E402
-from workers.transfer import TransferEngine  # noqa: E402
+from tierkv.wire.protocol import TransferJob  # noqa: E402
+from workers.gpu.transfer import TransferEngine  # noqa: E402
 
 NUM_BLOCKS = 64
 CPU_BLOCKS = 48
@@ -129,9 +129,9 @@ def test_bad_jobs_and_deadline_on_cuda(instance):
 CHILD = """
 import sys, msgpack, torch
 from tierkv.engine import open_kv_cache
-from tierkv.protocol import TransferJob
-from tierkv.shm import SharedRegion
-from workers.transfer import TransferEngine
+from tierkv.wire.protocol import TransferJob
+from tierkv.core.shm import SharedRegion
+from workers.gpu.transfer import TransferEngine
 
 instance, rank, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 args = msgpack.unpackb(open(path, "rb").read(), raw=False)

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from tierkv.client import Client, Step
-from tierkv.config import Config, config_from_dict
-from tierkv.supervisor import Node
+from tierkv.node.config import Config, config_from_dict
+from tierkv.node.supervisor import Node
 
 # 2 layers x K/V x 4 tokens x 2 heads x 16 dims x fp16 = 1 KiB per block and rank.
 LAYOUT = dict(num_layers=2, block_size_tokens=4, num_kv_heads=2, head_dim=16, dtype="float16")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from tests.integration.cluster import keys, step_until, wait_for
-from tierkv.blockformat import CorruptBlock, unpack_header
-from tierkv.errors import ErrorCode, TierError
-from tierkv.lifecycle import ChildFailed, wait_ready
+from tierkv.core.blockformat import CorruptBlock, unpack_header
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.node.lifecycle import ChildFailed, wait_ready
 from workers.disk import HEADER_AREA, DiskBackend, namespace_dir, slot_bytes_for
 
 PAGE = 1024  # the cluster's block: 1 KiB per rank, one rank

@@ -32,8 +32,8 @@ from tests.tiers.fixtures_s3 import (  # noqa: F401 - fixtures
     fixture_s3_server,
     unique_bucket,
 )
-from tierkv.lifecycle import ChildFailed
-from tierkv.supervisor import Node
+from tierkv.node.lifecycle import ChildFailed
+from tierkv.node.supervisor import Node
 
 
 def s3_tier(endpoint_url: str, bucket: str, **options: Any) -> dict[str, Any]:

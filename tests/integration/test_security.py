@@ -12,10 +12,10 @@ import pytest
 
 from tests.integration.cluster import keys, leftovers, make_config
 from tierkv.client import BrokerUnavailable, Client
-from tierkv.config import dump_config
-from tierkv.lifecycle import ChildFailed, spawn, stop, wait_ready
-from tierkv.shm import region_name
-from tierkv.sockets import CurveClientKeys, create_keys, ipc_path
+from tierkv.core.shm import region_name
+from tierkv.node.config import dump_config
+from tierkv.node.lifecycle import ChildFailed, spawn, stop, wait_ready
+from tierkv.wire.sockets import CurveClientKeys, create_keys, ipc_path
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.cluster import key_bytes, keys, step_until, wait_for
 from tierkv.client import BrokerUnavailable, Client, RemoteError
-from tierkv.shm import SharedRegion
+from tierkv.core.shm import SharedRegion
 
 
 def test_store_then_load_returns_the_same_bytes(make_cluster):

@@ -17,9 +17,9 @@ import pytest
 from tests.conftest import new_instance
 from tests.integration.cluster import LAYOUT, keys, leftovers, make_config
 from tierkv.client import Client
-from tierkv.config import Config, dump_config, tier_name
+from tierkv.core.shm import process_start_time
 from tierkv.engine import KVLayout, allocate_kv_cache
-from tierkv.shm import process_start_time
+from tierkv.node.config import Config, dump_config, tier_name
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tierkv.blockformat import HEADER_SIZE
-from tierkv.s3server import S3Server
+from tierkv.core.blockformat import HEADER_SIZE
+from tierkv.node.s3server import S3Server
 
 # Dummy credentials, and no instance-metadata lookups: nothing may leave loopback.
 TEST_ENV = {

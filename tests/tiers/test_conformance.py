@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tierkv.errors import ErrorCode, TierError
-from tierkv.shm import SharedRegion
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.memory import MemoryBackend
 from tierkv.tiers.runner import JobRunner

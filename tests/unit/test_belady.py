@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.belady import NEVER, belady, brute_force_hits, next_uses
-from tierkv.policies import make_policy
-from tierkv.primary import PrimaryTier
-from tierkv.traces import Request, prefix_hit_ratio, read_trace
+from tierkv.bench.belady import NEVER, belady, brute_force_hits, next_uses
+from tierkv.core.policies import make_policy
+from tierkv.core.primary import PrimaryTier
+from tierkv.workloads.traces import Request, prefix_hit_ratio, read_trace
 
 TRACE = Path(__file__).resolve().parents[3] / "shared/data/mooncake-fast25/conversation_trace.jsonl"
 

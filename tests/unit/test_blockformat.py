@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from tierkv.blockformat import (
+from tierkv.core.blockformat import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
@@ -19,7 +19,7 @@ from tierkv.blockformat import (
     unpack_header,
     verify,
 )
-from tierkv.errors import ErrorCode
+from tierkv.core.errors import ErrorCode
 
 KEY = b"k" * 32
 NS = b"llama3-8b/bf16/l32"

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from tierkv.config import ConfigError, config_from_dict, dump_config, load_config
+from tierkv.node.config import ConfigError, config_from_dict, dump_config, load_config
 
 
 def write(tmp_path, text: str):

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.blockformat import HEADER_SIZE, pack_header
-from tierkv.errors import ErrorCode, TierError
-from tierkv.shm import SharedRegion
+from tierkv.core.blockformat import HEADER_SIZE, pack_header
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.registry import TierConfigError, create_backend
 from tierkv.tiers.runner import JobRunner
-from workers import disk
 from workers.disk import HEADER_AREA, DiskBackend, namespace_dir, slot_bytes_for
+from workers.disk import backend as disk_backend
 
 BLOCK = 8192
 SLOT = slot_bytes_for(BLOCK)
@@ -158,7 +158,7 @@ def test_restart_recovers_10000_blocks_fast_with_progress(make, monkeypatch, cap
     for n in range(10_000):
         backend.store(key(n), memoryview(payload(n, 512)))
     backend.close()
-    monkeypatch.setattr(disk, "SCAN_PROGRESS_SLOTS", 2500)
+    monkeypatch.setattr(disk_backend, "SCAN_PROGRESS_SLOTS", 2500)
     caplog.set_level(logging.INFO, logger="tierkv.disk")
     t0 = time.perf_counter()
     again = make(slots=10_000, block_bytes=512)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.policies import ARCPolicy, make_policy
-from tierkv.policies.histarc import HistoryARCPolicy
+from tierkv.core.policies import ARCPolicy, make_policy
+from tierkv.core.policies.histarc import HistoryARCPolicy
 
 
 def key(i: int) -> bytes:

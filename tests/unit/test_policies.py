@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.policies import ARCPolicy, LRUPolicy, known_policies, make_policy
+from tierkv.core.policies import ARCPolicy, LRUPolicy, known_policies, make_policy
 
 ALL = known_policies()
 

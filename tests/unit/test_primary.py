@@ -7,9 +7,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.policies import known_policies
-from tierkv.primary import BlockStateError, PrimaryTier
-from tierkv.reuse import ReuseFilter
+from tierkv.core.policies import known_policies
+from tierkv.core.primary import BlockStateError, PrimaryTier
+from tierkv.core.reuse import ReuseFilter
 
 
 def k(*ns: int) -> list[bytes]:

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ErrorCode
-from tierkv.keys import OffloadEvent
-from tierkv.protocol import (
-    _MESSAGES,
+from tierkv.core.errors import ErrorCode
+from tierkv.core.keys import OffloadEvent
+from tierkv.tiers.base import Job, JobKind, JobResult
+from tierkv.wire.codec import _MESSAGES
+from tierkv.wire.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
     AttachedKV,
@@ -53,7 +54,6 @@ from tierkv.protocol import (
     to_map,
     to_record,
 )
-from tierkv.tiers.base import Job, JobKind, JobResult
 
 K = [b"k" * 8, b"q" * 64]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.shm import SharedRegion
+from tierkv.core.shm import SharedRegion
 from tierkv.tiers.local import LocalTier
 from tierkv.tiers.memory import MemoryBackend
 from tierkv.tiers.registry import (
@@ -68,7 +68,7 @@ def test_registering_twice_is_an_error():
 
 
 def test_not_a_backend_is_refused():
-    register_tier("bogus", "tierkv.shm:SharedRegion")
+    register_tier("bogus", "tierkv.core.shm:SharedRegion")
     try:
         with pytest.raises(TierConfigError, match="is not a TierBackend"):
             get_tier_type("bogus")

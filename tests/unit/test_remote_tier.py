@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from broker.remote_tier import RemoteTier
-from tierkv.protocol import TierDoneBatch, TierHello, TierJobBatch
 from tierkv.tiers.base import Job, JobKind, JobResult
+from tierkv.wire.protocol import TierDoneBatch, TierHello, TierJobBatch
 
 
 def test_a_tier_is_overdue_only_a_grace_past_its_jobs_deadline():

@@ -6,9 +6,16 @@ import json
 
 import pytest
 
-from tierkv.replay import ReplayResult, geometric_mean, main, parse_policy, policy_table, replay
-from tierkv.traces import Request, prefix_hit_ratio
-from tierkv.workload import generate_workload
+from tierkv.bench.replay import (
+    ReplayResult,
+    geometric_mean,
+    main,
+    parse_policy,
+    policy_table,
+    replay,
+)
+from tierkv.workloads.synthetic import generate_workload
+from tierkv.workloads.traces import Request, prefix_hit_ratio
 
 # Capacity 3, hand-replayed (LRU order after each request):
 #   [1, 2]     0 hits, store 1 2                          order 1 2
@@ -42,7 +49,7 @@ def test_reuse_filter_variant_on_the_hand_trace():
 
 
 def test_replay_agrees_with_prefix_hit_ratio():
-    from tierkv.primary import PrimaryTier
+    from tierkv.core.primary import PrimaryTier
 
     trace = generate_workload("chat", 300, seed=3)
     for name in ("lru", "arc", "histarc"):

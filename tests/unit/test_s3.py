@@ -30,11 +30,14 @@ from tests.tiers.fixtures_s3 import (  # noqa: F401 - fixtures
     fixture_s3_server,
     unique_bucket,
 )
-from tierkv.blockformat import HEADER_SIZE, unpack_header
-from tierkv.errors import ErrorCode, TierError
-from tierkv.s3server import S3Server, check_loopback
+from tierkv.core.blockformat import HEADER_SIZE, unpack_header
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.node.s3server import S3Server, check_loopback
 from tierkv.tiers.registry import TierConfigError, create_backend
-from workers.s3 import BlockBody, CircuitBreaker, S3Backend, _reader, gc, main, parse_age
+from workers.s3.backend import S3Backend
+from workers.s3.body import BlockBody, body_reader
+from workers.s3.breaker import CircuitBreaker
+from workers.s3.gc import gc, main, parse_age
 
 BLOCK = 4096
 
@@ -128,7 +131,7 @@ def test_parse_age_and_loopback_only():
 def test_local_endpoint_leaves_no_process_behind_when_its_owner_dies():
     """The moto child holds a lifeline to its owner: a SIGKILLed owner leaves no orphan."""
     owner = subprocess.Popen(
-        [sys.executable, "-c", "import time; from tierkv.s3server import S3Server; "
+        [sys.executable, "-c", "import time; from tierkv.node.s3server import S3Server; "
          "s = S3Server().start(); print(s.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -266,7 +269,7 @@ def test_get_reads_the_socket_straight_into_the_row(make_s3, s3_server):
     backend = make_s3(BLOCK)
     backend.store(key(1), memoryview(payload(1)))
     response = backend._data.get_object(Bucket=backend.bucket, Key=backend.object_name(key(1)))
-    readinto, release = _reader(response["Body"])
+    readinto, release = body_reader(response["Body"])
     assert readinto.__self__.__class__.__module__ == "http.client"  # no urllib3 copy
     out = bytearray(HEADER_SIZE + BLOCK)
     view, pos = memoryview(out), 0
@@ -455,7 +458,7 @@ def test_hung_endpoint_is_a_miss_within_the_exists_timeout(make_s3, flaky):
 @pytest.fixture
 def debug_logs():
     """tierkv's own logging setup at DEBUG, captured; restored afterwards."""
-    from tierkv.logs import setup_logging
+    from tierkv.node.logs import setup_logging
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level,
@@ -534,14 +537,14 @@ def test_gc_removes_a_namespaces_objects_older_than_an_age(make_s3, s3_entry, tm
     listed = raw_client(s3_entry["endpoint_url"]).list_objects_v2(Bucket=old.bucket)["Contents"]
     newest = max(o["LastModified"] for o in listed)
     # "Now" is pinned just after the newest write, so the test needs no long sleeps.
-    monkeypatch.setattr("workers.s3._utcnow", lambda: newest + timedelta(seconds=0.5))
+    monkeypatch.setattr("workers.s3.backend._utcnow", lambda: newest + timedelta(seconds=0.5))
     entry = dict(s3_entry)
     assert gc(entry, old.namespace, older_than_s=1, dry_run=True) == 3
     assert all(old.exists(key(n)) for n in range(3))
     config = tmp_path / "tierkv.toml"
     config.write_text(f'namespace = "{old.namespace}"\n[[tiers]]\n'
                       + "".join(f"{k} = {_toml(v)}\n" for k, v in entry.items()))
-    assert main(["gc", "-c", str(config), "--older-than", "1s"]) == 0
+    assert main(["-c", str(config), "--older-than", "1s"]) == 0
     assert "deleted 3 objects" in capsys.readouterr().out
     assert not any(old.exists(key(n)) for n in range(3)) and old.exists(key(5))
     assert neighbour.exists(key(0))  # another namespace is left alone

@@ -12,7 +12,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from tierkv.shm import (
+from tierkv.core.shm import (
     ALIGN,
     RegionError,
     RegionInUseError,
@@ -66,7 +66,7 @@ def test_page_written_by_one_process_is_read_by_another(instance):
     with SharedRegion.create(instance, 8, 64 * 1024, world_size=2) as region:
         writer = run_python(f"""
             import numpy as np
-            from tierkv.shm import SharedRegion
+            from tierkv.core.shm import SharedRegion
             r = SharedRegion.attach({instance!r})
             rng = np.random.default_rng(5)
             r.numpy_page(5, 1)[:] = rng.integers(0, 256, r.layout.page_size, dtype=np.uint8)
@@ -78,7 +78,7 @@ def test_page_written_by_one_process_is_read_by_another(instance):
         # And back: the parent writes, a child checks.
         region.numpy_page(2, 0)[:] = 0xAB
         reader = run_python(f"""
-            from tierkv.shm import SharedRegion
+            from tierkv.core.shm import SharedRegion
             r = SharedRegion.attach({instance!r})
             ok = bool((r.numpy_page(2, 0) == 0xAB).all())
             r.close()
@@ -117,7 +117,7 @@ def test_stale_region_of_dead_owner_is_replaced(instance):
     # A child creates the region and dies without unlinking (SIGKILL-like exit).
     child = run_python(f"""
         import os
-        from tierkv.shm import SharedRegion
+        from tierkv.core.shm import SharedRegion
         SharedRegion.create({instance!r}, 4, 4096)
         os._exit(0)
     """)
@@ -133,7 +133,7 @@ def test_sweep_removes_only_dead_owners(instance):
     try:
         child = run_python(f"""
             import os
-            from tierkv.shm import SharedRegion
+            from tierkv.core.shm import SharedRegion
             SharedRegion.create({instance + 'dead'!r}, 1, 4096)
             os._exit(0)
         """)

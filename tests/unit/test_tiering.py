@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ErrorCode
-from tierkv.primary import BlockStateError, PrimaryTier
-from tierkv.shm import SharedRegion
-from tierkv.tiering import Lookup, TieringManager
+from tierkv.core.errors import ErrorCode
+from tierkv.core.primary import BlockStateError, PrimaryTier
+from tierkv.core.shm import SharedRegion
+from tierkv.core.tiering import Lookup, TieringManager
 from tierkv.tiers.base import Job, JobResult
 from tierkv.tiers.local import LocalTier
 from tierkv.tiers.memory import MemoryBackend, MemoryTier

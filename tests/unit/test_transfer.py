@@ -15,11 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import workers.transfer_cpu as transfer_cpu
+import workers.gpu.copy_cpu as transfer_cpu
+from tierkv.core.shm import SharedRegion
 from tierkv.engine import KVLayout, OpenedKV, allocate_kv_cache, open_kv_cache
-from tierkv.protocol import TransferJob, TransferOutcome
-from tierkv.shm import SharedRegion
-from workers.transfer import TransferEngine, TransferError, runs
+from tierkv.wire.protocol import TransferJob, TransferOutcome
+from workers.gpu.jobs import TransferError, runs
+from workers.gpu.transfer import TransferEngine
 
 NUM_BLOCKS = 24  # KV cache blocks
 CPU_BLOCKS = 20  # CPU-tier rows
@@ -370,7 +371,7 @@ def _fake_memcpy2d(dst, dpitch, src, spitch, width, height, stream):  # noqa: AN
 def fake_cuda(monkeypatch):
     """Run CudaBackend on CPU tensors: every CUDA call it makes becomes a no-op or a
     host memmove, so the gather / DMA-run / scatter planning is checked here."""
-    import workers.transfer_cuda as tc
+    import workers.gpu.copy_cuda as tc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())

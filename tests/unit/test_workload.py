@@ -6,7 +6,12 @@ from collections import Counter
 
 import pytest
 
-from tierkv.workload import PRESETS, WorkloadSpec, generate_conversations, generate_workload
+from tierkv.workloads.synthetic import (
+    PRESETS,
+    WorkloadSpec,
+    generate_conversations,
+    generate_workload,
+)
 
 
 def parents(trace) -> dict[int, int]:

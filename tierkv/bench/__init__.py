@@ -11,7 +11,7 @@ goes, and stops measuring when its time budget is spent, saying what it skipped.
 The summary table at the end lists every headline ratio; `--json` writes every
 row (to stdout when no FILE is given; the progress then goes to stderr).
 
-The measuring code is the benchmark scripts' (`scripts/bench_*.py`, each still
+The measuring code is the benchmark scripts' (`tierkv/bench/*.py`, each still
 runnable alone): the parts here choose sizes, keep the budget and turn what the
 scripts measure into rows.
 """

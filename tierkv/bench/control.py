@@ -3,7 +3,7 @@
 The ideal of a control plane in its own process is the same calls on the same
 manager in the caller's process: the ratio (in-process time / broker time) is the
 share of that ideal the service keeps after ZeroMQ, msgpack and a process hop.
-Measured by `scripts/bench_broker.py`'s `control_plane`: a lookup of 64 resident
+Measured by `tierkv/bench/broker_ops.py`'s `control_plane`: a lookup of 64 resident
 keys, and one engine step of 256 requests x 64 keys in one batched round trip,
 once with every key a hit (each lookup walks all 64 keys) and once missing at the
 first key (the per-request overhead alone).
@@ -22,7 +22,7 @@ BLOCKS = 512
 
 
 def run(part: Part, opts: Options) -> None:
-    from scripts.bench_broker import (
+    from tierkv.bench.broker_ops import (
         KEYS_PER_REQUEST,
         REQUESTS_PER_STEP,
         bench_node,

@@ -3,10 +3,10 @@
 Two views of the same path, each against one plain copy of the same total bytes
 timed back to back with it in every repeat:
 
-- the copy engine alone (`scripts/bench_transfer.py`): a job of N blocks between
+- the copy engine alone (`tierkv/bench/copy_engine.py`): a job of N blocks between
   the engine's KV cache and the CPU tier, against one single-threaded
   `np.copyto` (CPU) or one pinned `cudaMemcpyAsync` (CUDA, when present);
-- through the service (`scripts/bench_broker.py`'s `data_path`): `store` then
+- through the service (`tierkv/bench/broker_ops.py`'s `data_path`): `store` then
   `load` by a client, broker and CPU worker, until the job is seen finished,
   against `np.copyto`. This adds the control plane's latency to every job.
 """
@@ -32,7 +32,7 @@ def _engine_rows(part: Part, rows: list[Any], reference: str, headline: bool) ->
 def run(part: Part, opts: Options) -> None:
     import torch
 
-    from scripts import bench_broker, bench_transfer
+    from tierkv.bench import broker_ops, copy_engine
 
     # As bench_transfer's main does: torch's own copies on one thread, against a
     # single-threaded reference copy.
@@ -44,14 +44,14 @@ def run(part: Part, opts: Options) -> None:
     for i, (page, blocks) in enumerate(sizes):
         if part.over_budget(f"copy engine, {page >> 10} KiB pages"):
             return
-        rows = bench_transfer.bench_cpu("per_layer", page, blocks, PATTERNS, repeats)
+        rows = copy_engine.bench_cpu("per_layer", page, blocks, PATTERNS, repeats)
         _engine_rows(part, rows, "np.copyto", headline=i == 0)
     if torch.cuda.is_available():
         part.note(f"CUDA: {torch.cuda.get_device_name()}")
         for i, (page, blocks) in enumerate(sizes):
             if part.over_budget(f"CUDA engine, {page >> 10} KiB pages"):
                 return
-            rows = bench_transfer.bench_cuda("per_layer", page, blocks, PATTERNS, repeats)
+            rows = copy_engine.bench_cuda("per_layer", page, blocks, PATTERNS, repeats)
             _engine_rows(part, rows, "pinned cudaMemcpyAsync", headline=i == 0)
     else:
         part.note("no CUDA on this machine: the CUDA copy engine is not measured")
@@ -59,8 +59,8 @@ def run(part: Part, opts: Options) -> None:
     page, blocks = sizes[0]
     if part.over_budget("store/load through broker + worker"):
         return
-    with bench_broker.bench_node(blocks, page) as (client, kv):
-        dp = bench_broker.data_path(client, kv, blocks, page, repeats)
+    with broker_ops.bench_node(blocks, page) as (client, kv):
+        dp = broker_ops.data_path(client, kv, blocks, page, repeats)
     gb = dp["bytes"] / 1e9
     for direction in ("store", "load"):
         part.add(Row(

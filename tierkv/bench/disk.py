@@ -1,7 +1,7 @@
 """`tierkv bench disk`: the disk tier against plain syscalls and `dd` on the same
 filesystem.
 
-Measured by `scripts/bench_disk.py` (`measure_size`): the tier as its process runs
+Measured by `tierkv/bench/disk_io.py` (`measure_size`): the tier as its process runs
 it (a `DiskBackend` behind a `JobRunner` of I/O threads, bytes straight between
 slab files and rows of a real shared-memory region) against `pwrite` +
 `fdatasync` and `preadv` of the same bytes into one preallocated file, all timed
@@ -42,21 +42,21 @@ def _rows(part: Part, label: str, rows: list[Any]) -> None:
 
 
 def run(part: Part, opts: Options) -> None:
-    from scripts import bench_disk
+    from tierkv.bench import disk_io
 
     repeat = opts.pick(1, 3)
     total = (16 if opts.quick else 256) << 20
     sizes = ["256K"] if opts.quick else ["256K", "2M"]
     how: set[str] = set()
-    with bench_disk.work_dir(opts.disk_dir) as work:
-        part.note(f"in {work} ({bench_disk.fs_type(work)}), {total >> 20} MiB per pass, "
+    with disk_io.work_dir(opts.disk_dir) as work:
+        part.note(f"in {work} ({disk_io.fs_type(work)}), {total >> 20} MiB per pass, "
                   f"{THREADS} tier threads, {repeat} rounds")
         for text in sizes:
-            size = bench_disk.parse_size(text)
-            label = bench_disk.human(size)
+            size = disk_io.parse_size(text)
+            label = disk_io.human(size)
             if part.over_budget(f"{label} blocks"):
                 break
-            rows, methods = bench_disk.measure_size(work, size, total, THREADS, repeat, True,
+            rows, methods = disk_io.measure_size(work, size, total, THREADS, repeat, True,
                                                     "auto", part.budget.deadline())
             how.update(methods)
             _rows(part, label, rows)

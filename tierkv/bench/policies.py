@@ -1,9 +1,9 @@
 """`tierkv bench policies`: the eviction policies' speed and hit ratios.
 
-Hit ratio (`tierkv.replay`): each policy replayed over the Mooncake conversation
+Hit ratio (`tierkv.bench.replay`): each policy replayed over the Mooncake conversation
 trace through the real `PrimaryTier`, as a fraction of Belady's offline optimum
 at each capacity; the headline per policy is the geometric mean of those
-fractions. Speed (`scripts/bench_policies.py`'s `bench_ops`): lookup, touch and
+fractions. Speed (`tierkv/bench/policy_speed.py`'s `bench_ops`): lookup, touch and
 evict+insert per second with 1e6 resident keys, against a bare `OrderedDict`
 doing the same operations (the floor of any Python LRU).
 """
@@ -16,9 +16,9 @@ from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
 
 def _speed(part: Part, opts: Options) -> None:
-    from scripts.bench_policies import OrderedDictLRU, bench_ops
-    from tierkv.config import CpuConfig
-    from tierkv.policies import known_policies, make_policy
+    from tierkv.bench.policy_speed import OrderedDictLRU, bench_ops
+    from tierkv.core.policies import known_policies, make_policy
+    from tierkv.node.config import CpuConfig
 
     repeats = opts.pick(2, 5)
     keys, ops = (10_000, 10_000) if opts.quick else (1_000_000, 200_000)
@@ -40,9 +40,14 @@ def _speed(part: Part, opts: Options) -> None:
 
 
 def _hit_ratios(part: Part, opts: Options) -> None:
-    from scripts.bench_policies import DEFAULT_TRACE
-    from tierkv.replay import DEFAULT_CAPACITIES, DEFAULT_POLICIES, geometric_mean, policy_table
-    from tierkv.traces import read_trace
+    from tierkv.bench.policy_speed import DEFAULT_TRACE
+    from tierkv.bench.replay import (
+        DEFAULT_CAPACITIES,
+        DEFAULT_POLICIES,
+        geometric_mean,
+        policy_table,
+    )
+    from tierkv.workloads.traces import read_trace
 
     path: Path = opts.trace or DEFAULT_TRACE
     if not path.exists():

@@ -1,7 +1,7 @@
 """`tierkv bench s3`: the S3 tier against naive and concurrent boto3 on the same
 endpoint.
 
-Measured by `scripts/bench_s3.py` (`run`): the tier as its process runs it (an
+Measured by `tierkv/bench/s3_io.py` (`run`): the tier as its process runs it (an
 `S3Backend` behind a `JobRunner`, streaming straight from and into a real
 shared-memory region) against a one-thread `put_object`/`get_object` loop and
 boto3's own transfer manager with as many threads, interleaved in each repeat.
@@ -28,7 +28,7 @@ def endpoint(opts: Options) -> Iterator[str]:
     if opts.s3_endpoint:
         yield opts.s3_endpoint
         return
-    from tierkv.s3server import S3Server
+    from tierkv.node.s3server import S3Server
 
     with S3Server() as server:
         yield server.endpoint_url
@@ -52,22 +52,22 @@ def _rows(part: Part, label: str, rows: list[Any]) -> None:
 
 
 def run(part: Part, opts: Options) -> None:
-    from scripts import bench_s3
+    from tierkv.bench import s3_io
 
     repeat = opts.pick(1, 3)
     total = (2 if opts.quick else 32) << 20
     sizes = ["256K"] if opts.quick else ["256K", "2M"]
-    bench_s3.use_placeholder_credentials()
+    s3_io.use_placeholder_credentials()
     with endpoint(opts) as url:
         where = "given endpoint" if opts.s3_endpoint else "local moto server"
         part.note(f"{where} {url}; {total >> 20} MiB per method, size and repeat; "
                   f"{os.cpu_count()} cores shared by client and server")
         for text in sizes:
-            size = bench_s3.parse_size(text)
-            label = bench_s3.human(size)
+            size = s3_io.parse_size(text)
+            label = s3_io.human(size)
             if part.over_budget(f"{label} objects"):
                 break
-            rows = bench_s3.run(url, [size], total, THREADS, repeat, part.budget.deadline())
+            rows = s3_io.run(url, [size], total, THREADS, repeat, part.budget.deadline())
             _rows(part, label, rows)
             if len(rows[0].samples) < repeat:
                 part.skip(f"{label}: repeats {len(rows[0].samples) + 1}-{repeat}")

@@ -83,8 +83,8 @@ def _check_hits(results: list[Any], where: str) -> None:
 
 def inprocess_costs(n: int, calls: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per op at `n` resident blocks, one figure per repeat."""
-    from tierkv.primary import PrimaryTier
-    from tierkv.tiering import TieringManager
+    from tierkv.core.primary import PrimaryTier
+    from tierkv.core.tiering import TieringManager
 
     manager = TieringManager(PrimaryTier(n, enable_events=False))
     for start in range(0, n, FILL_CHUNK):
@@ -142,7 +142,7 @@ def _fill(part: Part, client: Any, n: int) -> bool:
 def broker_costs(part: Part, n: int, calls: int, repeats: int) -> dict[str, list[float]] | None:
     """Seconds per round trip at `n` resident blocks, one figure per repeat; None
     if the budget ran out while filling."""
-    from scripts.bench_broker import bench_node
+    from tierkv.bench.broker_ops import bench_node
 
     with bench_node(n, PAGE, kv_blocks=KV_BLOCKS) as (client, _kv):
         t0 = time.monotonic()

@@ -8,7 +8,7 @@ entry-point group.
 
 Threading: methods are called from a pool of worker threads and may block; an
 implementation must be thread-safe. Errors are raised as `TierError` with a code
-(`tierkv.errors.ErrorCode`); anything else is reported as a fatal error.
+(`tierkv.core.errors.ErrorCode`); anything else is reported as a fatal error.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Container, Iterable
 from typing import Any, ClassVar
 
-from tierkv.keys import OffloadKey
+from tierkv.core.keys import OffloadKey
 
 
 class TierBackend(ABC):

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tierkv.errors import ErrorCode
-from tierkv.keys import OffloadEvent, OffloadKey
+from tierkv.core.errors import ErrorCode
+from tierkv.core.keys import OffloadEvent, OffloadKey
 
 
 class JobKind(enum.StrEnum):

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from tierkv.keys import OffloadKey
+from tierkv.core.keys import OffloadKey
 
 
 class TierIndex:

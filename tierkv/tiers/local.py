@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from tierkv.errors import LOST
-from tierkv.keys import OffloadEvent, OffloadKey
+from tierkv.core.errors import LOST
+from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows, Job, JobKind, JobResult, SecondaryTier
 from tierkv.tiers.index import TierIndex

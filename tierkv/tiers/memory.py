@@ -9,15 +9,15 @@ does not hold fails.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Container, Iterable
 from typing import Any
 
-from tierkv.errors import ErrorCode, TierError
-from tierkv.keys import OffloadKey
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.keys import OffloadKey
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows
 from tierkv.tiers.local import LocalTier
+from tierkv.tiers.lru import LRUIndex
 
 
 class MemoryBackend(TierBackend):
@@ -28,24 +28,19 @@ class MemoryBackend(TierBackend):
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
-        self._blocks: OrderedDict[OffloadKey, bytes] = OrderedDict()  # oldest first
-        self._evicted: list[OffloadKey] = []
         self._lock = threading.Lock()
+        self._blocks: LRUIndex[bytes] = LRUIndex(self._lock)
 
     def store(self, key: OffloadKey, src: memoryview, pinned: Container[OffloadKey] = ()) -> None:
         data = bytes(src)
         with self._lock:
-            if key in self._blocks:
-                self._blocks[key] = data
-                self._blocks.move_to_end(key)
-                return
-            while len(self._blocks) >= self.capacity_blocks:
-                victim = next((k for k in self._blocks if k not in pinned), None)
-                if victim is None:
-                    raise TierError(ErrorCode.NO_SPACE, "memory tier full of pinned keys")
-                del self._blocks[victim]
-                self._evicted.append(victim)
-            self._blocks[key] = data
+            if key not in self._blocks:
+                while len(self._blocks) >= self.capacity_blocks:
+                    victim = next((k for k in self._blocks if k not in pinned), None)
+                    if victim is None:
+                        raise TierError(ErrorCode.NO_SPACE, "memory tier full of pinned keys")
+                    self._blocks.evict(victim)
+            self._blocks.put(key, data)
 
     def load(self, key: OffloadKey, dst: memoryview) -> None:
         with self._lock:
@@ -74,15 +69,10 @@ class MemoryBackend(TierBackend):
         return self.capacity_blocks * self.block_bytes if self.block_bytes else None
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        with self._lock:
-            for key in keys:
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
+        self._blocks.touch(keys)
 
     def take_evicted(self) -> list[OffloadKey]:
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
+        return self._blocks.take_evicted()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

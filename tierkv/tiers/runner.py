@@ -18,11 +18,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tierkv.errors import ErrorCode, TierError
-from tierkv.keys import OffloadKey
+from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.keys import OffloadKey
 from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows, Job, JobKind, JobResult
-from tierkv.wakeup import Wakeup
+from tierkv.wire.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.tiers.runner")
 

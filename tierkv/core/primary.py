@@ -1,0 +1,304 @@
+"""The CPU-tier block manager: which key lives in which row, and in what state.
+
+Per block: free -> writing -> ready, plus a reader count. A block in `writing`, or
+with readers, is never evicted and never overwritten; only `ready` blocks are hits.
+Readers are loads to the GPU (`prepare_load`), cascades to secondary tiers and
+promotion leases (`acquire`). The manager runs on one thread (the broker's loop)
+and does no I/O: it decides, the workers move bytes.
+
+Recency rule: a *completed* load counts as a use (the policy is touched), as does
+an explicit `touch`; a lookup alone does not, so a scheduler that looks up and
+then does not load leaves the order as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.core.keys import OffloadEvent, OffloadKey
+from tierkv.core.policies import CachePolicy, make_policy
+from tierkv.core.reuse import ReuseFilter
+
+
+class BlockStateError(RuntimeError):
+    """An operation that the block states forbid (unknown key, not ready, ...)."""
+
+
+class State(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    state: State
+    readers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    keys_to_store: list[OffloadKey]
+    block_ids: list[int]  # co-indexed with keys_to_store
+    evicted_keys: list[OffloadKey] = field(default_factory=list)
+
+
+class _Pinned:
+    """`protected` for the policy: keys of the current call, and blocks with readers."""
+
+    __slots__ = ("blocks", "call_keys")
+
+    def __init__(self, blocks: dict[OffloadKey, Block], call_keys: set[OffloadKey]) -> None:
+        self.blocks = blocks
+        self.call_keys = call_keys
+
+    def __contains__(self, key: object) -> bool:
+        if key in self.call_keys:
+            return True
+        block = self.blocks.get(key)  # type: ignore[call-overload]
+        return block is not None and (block.readers > 0 or block.state is State.WRITING)
+
+
+class PrimaryTier:
+    """Block manager of the shared-memory CPU tier."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str | CachePolicy = "lru",
+        name: str = "cpu",
+        reuse_filter: ReuseFilter | None = None,
+        enable_events: bool = True,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.name = name
+        self.policy: CachePolicy = (
+            make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        )
+        self.reuse_filter = reuse_filter
+        self.enable_events = enable_events
+        self._blocks: dict[OffloadKey, Block] = {}
+        # Popped from the end: ids come out 0, 1, 2, ... so a fresh tier hands out
+        # consecutive rows, which the copy engines merge into larger transfers.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._events: list[OffloadEvent] = []
+        self._writing = 0
+        self._counters = dict.fromkeys(
+            ("lookups", "hits", "misses", "evictions", "stores_prepared", "stores_completed",
+             "stores_failed", "stores_refused", "loads_prepared", "loads_completed"), 0
+        )
+
+    # -- queries ------------------------------------------------------------------
+
+    def lookup(self, keys: list[OffloadKey]) -> int:
+        """The number of leading keys whose blocks are ready."""
+        if self.reuse_filter is not None:
+            self.reuse_filter.record(keys)
+        hits = 0
+        blocks = self._blocks
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.state is not State.READY:
+                break
+            hits += 1
+        c = self._counters
+        c["lookups"] += 1
+        c["hits"] += hits
+        c["misses"] += len(keys) - hits
+        return hits
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        block = self._blocks.get(key)
+        return block is not None and block.state is State.READY
+
+    def contains(self, key: OffloadKey) -> bool:
+        """Ready or being written."""
+        return key in self._blocks
+
+    def block_id(self, key: OffloadKey) -> int | None:
+        block = self._blocks.get(key)
+        return None if block is None else block.block_id
+
+    def readers(self, key: OffloadKey) -> int:
+        block = self._blocks.get(key)
+        return 0 if block is None else block.readers
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    # -- stores ----------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Iterable[OffloadKey], *, filtered: bool = True
+    ) -> PrepareStoreOutput | None:
+        """Allocate blocks in `writing` for the keys not present yet.
+
+        Evicts ready, unreferenced blocks through the policy when needed, never one
+        of `keys`. Returns None, changing nothing, if room cannot be made.
+        `filtered=False` bypasses the reuse filter (promotions from a lower tier).
+        """
+        blocks = self._blocks
+        keys = list(keys)
+        new_keys = list(dict.fromkeys(k for k in keys if k not in blocks))
+        if filtered and self.reuse_filter is not None:
+            new_keys = self.reuse_filter.filter(new_keys)
+        if not new_keys:
+            return PrepareStoreOutput([], [], [])
+        shortfall = len(new_keys) - len(self._free)
+        evicted: list[OffloadKey] = []
+        if shortfall > 0:
+            if shortfall > self.num_blocks:
+                self._counters["stores_refused"] += 1
+                return None
+            victims = self.policy.evict(shortfall, _Pinned(blocks, set(keys)))
+            if victims is None:
+                self._counters["stores_refused"] += 1
+                return None
+            for key, block_id in victims:
+                del blocks[key]
+                self._free.append(block_id)
+                evicted.append(key)
+            self._counters["evictions"] += len(evicted)
+            self._emit("removed", evicted)
+        block_ids = []
+        for key in new_keys:
+            block_id = self._free.pop()
+            blocks[key] = Block(block_id, State.WRITING)
+            block_ids.append(block_id)
+        self._writing += len(new_keys)
+        self._counters["stores_prepared"] += len(new_keys)
+        return PrepareStoreOutput(new_keys, block_ids, evicted)
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> list[OffloadKey]:
+        """End a store: writing -> ready, or writing -> free on failure.
+
+        Ready keys are left as they are (idempotent). Returns the keys whose state
+        changed. Raises BlockStateError, changing nothing, for an unknown key.
+        """
+        keys = list(dict.fromkeys(keys))
+        self._require_known(keys, "complete_store")
+        changed = [k for k in keys if self._blocks[k].state is State.WRITING]
+        self._writing -= len(changed)
+        if success:
+            for key in changed:
+                block = self._blocks[key]
+                block.state = State.READY
+                self.policy.insert(key, block.block_id)
+            self._counters["stores_completed"] += len(changed)
+            self._emit("stored", changed)
+        else:
+            for key in changed:
+                block = self._blocks.pop(key)
+                self._free.append(block.block_id)
+            self._counters["stores_failed"] += len(changed)
+        return changed
+
+    # -- readers -----------------------------------------------------------------
+
+    def acquire(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Add a reader to each ready key (protects it). Returns co-indexed block ids."""
+        keys = list(keys)
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.state is not State.READY:
+                state = "unknown" if block is None else block.state.value
+                raise BlockStateError(f"cannot read key {key.hex()}: it is {state}, not ready")
+        ids = []
+        for key in keys:
+            block = self._blocks[key]
+            block.readers += 1
+            ids.append(block.block_id)
+        return ids
+
+    def release(self, keys: Iterable[OffloadKey]) -> None:
+        """Drop one reader of each key. Raises, changing nothing, on an over-release."""
+        keys = list(keys)
+        self._require_known(keys, "release")
+        taken: dict[OffloadKey, int] = {}
+        for key in keys:
+            taken[key] = taken.get(key, 0) + 1
+        for key, n in taken.items():
+            if self._blocks[key].readers < n:
+                raise BlockStateError(
+                    f"release of key {key.hex()}: {n} released but "
+                    f"{self._blocks[key].readers} held"
+                )
+        for key in keys:
+            self._blocks[key].readers -= 1
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Protect ready keys for a load to the GPU. Returns co-indexed block ids."""
+        ids = self.acquire(keys)
+        self._counters["loads_prepared"] += len(ids)
+        return ids
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        """End a load: release the readers; a completed load counts as a use."""
+        keys = list(keys)
+        self.release(keys)
+        self.policy.touch(keys)
+        self._counters["loads_completed"] += len(keys)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.policy.touch(keys)
+
+    # -- maintenance -------------------------------------------------------------
+
+    def clear(self) -> list[OffloadKey]:
+        """Free every ready block without readers (a reset). Returns the keys removed."""
+        removed = [k for k, b in self._blocks.items() if b.state is State.READY and not b.readers]
+        for key in removed:
+            block = self._blocks.pop(key)
+            self.policy.remove(key)
+            self._free.append(block.block_id)
+        self._emit("removed", removed)
+        return removed
+
+    def take_events(self) -> list[OffloadEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        writing = self._writing
+        ready = len(self._blocks) - writing
+        return {
+            "tier": self.name,
+            "num_blocks": self.num_blocks,
+            "blocks_ready": ready,
+            "blocks_writing": writing,
+            "blocks_free": len(self._free),
+            "usage": (ready + writing) / self.num_blocks,
+            **self._counters,
+            **(self.reuse_filter.stats() if self.reuse_filter else {}),
+            **{f"policy_{k}": v for k, v in self.policy.stats().items()},
+        }
+
+    def check_invariants(self) -> None:
+        """Assert the structural invariants (tests and debug builds call this)."""
+        ids = [b.block_id for b in self._blocks.values()]
+        assert len(ids) == len(set(ids)), "a block id belongs to two keys"
+        assert not set(ids) & set(self._free), "a used block is on the free list"
+        assert len(ids) + len(self._free) == self.num_blocks, "blocks leaked"
+        ready = {k for k, b in self._blocks.items() if b.state is State.READY}
+        assert len(self.policy) == len(ready), "policy and ready blocks differ"
+        assert all(k in self.policy for k in ready), "a ready block is missing from the policy"
+        writing = sum(1 for b in self._blocks.values() if b.state is State.WRITING)
+        assert writing == self._writing, "writing count drifted"
+        assert all(b.readers >= 0 for b in self._blocks.values()), "negative reader count"
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _require_known(self, keys: list[OffloadKey], op: str) -> None:
+        for key in keys:
+            if key not in self._blocks:
+                raise BlockStateError(f"{op}: unknown key {key.hex()}")
+
+    def _emit(self, kind: str, keys: list[OffloadKey]) -> None:
+        if self.enable_events and keys:
+            self._events.append(OffloadEvent(kind, tuple(keys), self.name))  # type: ignore[arg-type]

@@ -1,0 +1,252 @@
+"""A local S3 endpoint (moto) as a child process, on loopback only.
+
+The embedded default of the demo and every S3 test talk HTTP to a real endpoint:
+a `moto` server in its own process. `S3Server` starts it with the supervisor's
+ready pipe and lifeline (`tierkv.node.lifecycle`): the child binds port 0 itself and
+reports the port it got, so there is no race for a "free" port, and it stops by
+itself if its parent dies, so a crashed test leaves no server behind. The parent
+then polls the HTTP endpoint until it answers, and stops the child by pid
+(SIGTERM, then SIGKILL).
+
+    with S3Server() as server:
+        client = boto3.client("s3", endpoint_url=server.endpoint_url, ...)
+
+The child side is `python -m tierkv.node.s3server [--host 127.0.0.1] [--port 0]`.
+Only loopback addresses are accepted: this endpoint has no authentication.
+Importing this module costs nothing; moto is imported in the child only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from tierkv.node.lifecycle import (
+    Child,
+    ChildFailed,
+    child_environment,
+    lifeline_fd,
+    notify_ready,
+    parent_gone,
+    spawn,
+    stop,
+    wait_ready,
+)
+
+log = logging.getLogger("tierkv.s3")
+
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+class S3ServerError(RuntimeError):
+    """The local S3 endpoint did not start or did not answer in time."""
+
+
+def check_loopback(host: str) -> str:
+    if host not in LOOPBACK:
+        raise ValueError(
+            f"the local S3 endpoint binds loopback only ({' or '.join(LOOPBACK)}), not {host!r}"
+        )
+    return host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def server_argv(python: str = sys.executable, host: str = "127.0.0.1",
+                port: int = 0) -> list[str]:
+    """The command line of the endpoint process, for a supervisor that spawns it
+    itself (`tierkv.node.lifecycle.spawn`); its ready line names the port it bound."""
+    return [python, "-m", "tierkv.node.s3server", "--host", check_loopback(host),
+            "--port", str(port)]
+
+
+def port_from_ready(detail: str) -> int:
+    """The port from the child's ready line ("s3 endpoint port 41234")."""
+    return int(detail.split()[-1])
+
+
+class S3Server:
+    """A moto S3 server process owned by this object (and context manager)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ready_timeout_s: float = 30.0,
+        stop_timeout_s: float = 5.0,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        name: str = "s3server",
+    ) -> None:
+        self.host = check_loopback(host)
+        self.requested_port = port
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.python = python
+        self.extra_env = dict(env or {})
+        self.name = name
+        self.port: int | None = None
+        self.child: Child | None = None
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    @property
+    def endpoint_url(self) -> str:
+        if self.port is None:
+            raise S3ServerError("the local S3 endpoint is not started")
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.child is not None and self.child.proc.poll() is None
+
+    def start(self) -> S3Server:
+        if self.child is not None:
+            return self
+        argv = server_argv(self.python, self.host, self.requested_port)
+        env = child_environment(self.extra_env)
+        deadline = time.monotonic() + self.ready_timeout_s
+        self.child = spawn(self.name, argv, env=env)
+        try:
+            wait_ready([self.child], self.ready_timeout_s)
+            self.port = port_from_ready(self.child.ready_detail)
+            self._poll_http(deadline)
+        except (ChildFailed, ValueError, IndexError) as e:
+            self.stop()
+            raise S3ServerError(f"the local S3 endpoint did not start: {e}") from e
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local S3 endpoint %s serving (pid %d)", self.endpoint_url, self.child.pid)
+        return self
+
+    def _poll_http(self, deadline: float) -> None:
+        """Ready means it answers HTTP, not just that the socket is bound."""
+        assert self.port is not None
+        last = ""
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise S3ServerError(f"the local S3 endpoint exited: {self._tail()}")
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+            try:
+                conn.request("GET", "/moto-api/data.json")
+                conn.getresponse().read()
+                return
+            except OSError as e:
+                last = str(e)
+            finally:
+                conn.close()
+            time.sleep(0.05)
+        raise S3ServerError(
+            f"the local S3 endpoint {self.endpoint_url} did not answer within "
+            f"{self.ready_timeout_s:.0f}s (ready_timeout_s): {last}"
+        )
+
+    def stop(self) -> int | None:
+        """Terminate by pid, then kill after `stop_timeout_s`. Idempotent."""
+        child, self.child = self.child, None
+        if child is None:
+            return None
+        return stop(child, self.stop_timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, for fault-injection tests (the endpoint vanishes mid-run)."""
+        if self.child is not None and self.child.proc.poll() is None:
+            self.child.proc.kill()
+            self.child.proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the endpoint accepts connections but never answers."""
+        if self.running:
+            assert self.child is not None
+            os.kill(self.child.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.child is not None and self.child.proc.poll() is None:
+            os.kill(self.child.pid, signal.SIGCONT)
+
+    def _tail(self) -> str:
+        return self.child.tail(10) if self.child is not None else ""
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.endpoint_url if self.port is not None else "not started"
+        return f"S3Server({where}, pid={self.pid})"
+
+
+# -- child side ------------------------------------------------------------------------
+
+
+def _watch_lifeline(stopped: threading.Event) -> None:
+    """Stop when the parent dies (its end of the lifeline closes)."""
+    fd = lifeline_fd()
+    if fd is None:
+        return
+
+    def watch() -> None:
+        import select
+
+        while not stopped.is_set():
+            readable, _, _ = select.select([fd], [], [], 0.5)
+            if readable and parent_gone(fd):
+                stopped.set()
+                return
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+def serve(host: str, port: int) -> int:
+    """Run a moto S3 server until SIGTERM/SIGINT or the parent's death."""
+    check_loopback(host)
+    # A request log line per block would swamp the supervisor's log buffer.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    from moto.server import ThreadedMotoServer
+
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    server = ThreadedMotoServer(host, port, verbose=False)
+    server.start()
+    bound = server.get_host_and_port()[1]
+    _watch_lifeline(stopped)
+    notify_ready(f"s3 endpoint port {bound}")
+    log.info("local S3 endpoint on http://%s:%d", _url_host(host), bound)
+    while not stopped.wait(0.1):
+        pass
+    # Not server.stop(): a request handler blocked on a dead client could hold the
+    # shutdown; the process is ending anyway.
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tierkv.node.s3server",
+                                     description="a local S3 endpoint (moto) on loopback")
+    parser.add_argument("--host", default="127.0.0.1", choices=LOOPBACK)
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (reported)")
+    args = parser.parse_args(argv)
+    from tierkv.node.logs import setup_logging
+
+    setup_logging("s3server")
+    return serve(args.host, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

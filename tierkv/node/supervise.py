@@ -1,0 +1,24 @@
+"""`tierkv-supervisor -c tierkv.toml` (also `tierkv up -c FILE`): run a whole node."""
+
+from __future__ import annotations
+
+import sys
+
+from tierkv.node.process import process_parser, start_process
+from tierkv.node.supervisor import Node, Supervisor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = process_parser("tierkv-supervisor", "run a whole tierkv node until ^C")
+    parser.add_argument("--quiet-children", action="store_true",
+                        help="do not echo the children's log lines")
+    started = start_process(parser, argv, "supervisor")
+    if isinstance(started, int):
+        return started
+    args, config = started
+    node = Node(config, echo=not args.quiet_children, verbose=args.verbose)
+    return Supervisor(node).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

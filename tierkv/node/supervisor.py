@@ -1,0 +1,329 @@
+"""A whole node from one config: the broker, a gpu worker per rank, the tier processes.
+
+`Node` owns the lifetimes (CONVENTIONS: the supervisor owns lifetimes): it writes
+the config the children read, starts the broker and waits for it, then the
+workers and tiers, polling every child's readiness pipe and exit together so a
+crash at start fails fast with the child's name, exit code and last lines. Each
+child holds a lifeline to this process and stops by itself if it dies. `stop`
+ends the broker first (it drains in-flight jobs while its peers still serve),
+then the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.core.shm import region_name, remove_stale_region
+from tierkv.node.config import Config, dump_config, tier_name
+from tierkv.node.lifecycle import (
+    Child,
+    ChildFailed,
+    child_environment,
+    spawn,
+    stop,
+    wait_ready,
+)
+from tierkv.wire.sockets import ensure_run_dir, ipc_path
+
+log = logging.getLogger("tierkv.node.supervisor")
+
+EMBEDDED = "embedded"  # endpoint_url of an S3 tier served by a local moto endpoint
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str  # "broker", "worker0", "tier:disk:0"
+    kind: str  # "broker" | "worker" | "tier"
+    argv: tuple[str, ...]
+
+
+class Node:
+    def __init__(self, config: Config, python: str = sys.executable, echo: bool = False,
+                 verbose: int = 0) -> None:
+        self.config = config
+        self.python = python
+        self.echo = echo
+        self.verbose = verbose
+        self.children: dict[str, Child] = {}
+        self.restarts: dict[str, int] = {}
+        self.config_path = ensure_run_dir(config.run_path) / "node.toml"
+        self.s3: Any = None  # the embedded S3 endpoint, when a tier asks for one
+        self._child_env: dict[str, str] = {}
+
+    # -- what runs -------------------------------------------------------------------
+
+    def specs(self) -> list[ChildSpec]:
+        c = ["-c", str(self.config_path)] + ["-v"] * self.verbose
+        py = self.python
+        specs = [ChildSpec("broker", "broker", (py, "-m", "broker", *c))]
+        for rank in range(self.config.cpu.world_size):
+            specs.append(ChildSpec(f"worker{rank}", "worker",
+                                   (py, "-m", "workers.gpu_worker", "--rank", str(rank), *c)))
+        for entry in self.config.tiers:
+            name = tier_name(entry)
+            for i in range(int(entry.get("processes", 1))):
+                specs.append(ChildSpec(f"tier:{name}:{i}", "tier",
+                                       (py, "-m", "workers.tier_worker", "--name", name, *c)))
+        return specs
+
+    # -- lifetime --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.cleanup()  # what a killed earlier run of this instance left behind
+        self.config_path.write_text(dump_config(self._child_config()))
+        os.chmod(self.config_path, 0o600)
+        timeout = self.config.supervisor.ready_timeout_s
+        specs = self.specs()
+        try:
+            self._start([s for s in specs if s.kind == "broker"], timeout)
+            self._start([s for s in specs if s.kind != "broker"], timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _child_config(self) -> Config:
+        """The config the children read: an `endpoint_url = "embedded"` S3 tier gets
+        a local moto endpoint that this node starts and stops."""
+        if not any(t.get("endpoint_url") == EMBEDDED for t in self.config.tiers):
+            return self.config
+        from tierkv.node.s3server import S3Server
+
+        if self.s3 is None:
+            self.s3 = S3Server(ready_timeout_s=self.config.supervisor.ready_timeout_s,
+                               name="s3-endpoint").start()
+            # moto takes any credentials; these are placeholders, not secrets.
+            for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                self._child_env.setdefault(var, os.environ.get(var, "tierkv-embedded"))
+        tiers = [
+            {**t, "endpoint_url": self.s3.endpoint_url, "create_bucket": True}
+            if t.get("endpoint_url") == EMBEDDED else t
+            for t in self.config.tiers
+        ]
+        return dataclasses.replace(self.config, tiers=tiers)
+
+    def _start(self, specs: list[ChildSpec], timeout: float) -> None:
+        started = [self.spawn(spec) for spec in specs]
+        wait_ready(started, timeout)
+        for child in started:
+            log.info("%s ready (pid %d)", child.name, child.pid)
+
+    def spawn(self, spec: ChildSpec) -> Child:
+        child = spawn(spec.name, spec.argv, env=child_environment(self._child_env),
+                      log_lines=self.config.supervisor.log_lines, echo=self.echo)
+        self.children[spec.name] = child
+        return child
+
+    def stop(self) -> dict[str, int | None]:
+        """Broker first, then everyone else; each within the stop timeout."""
+        timeout = self.config.supervisor.stop_timeout_s
+        codes: dict[str, int | None] = {}
+        order = sorted(self.children.values(), key=lambda c: c.name != "broker")
+        for child in order:
+            if child.name == "broker":
+                codes[child.name] = stop(child, timeout)
+        others = [c for c in order if c.name != "broker"]
+        for child in others:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in others:
+            codes[child.name] = stop(child, max(0.1, deadline - time.monotonic()))
+        self.children.clear()
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
+        self.cleanup()
+        return codes
+
+    def cleanup(self) -> list[str]:
+        """Remove this instance's region if its owner is dead, and socket files no
+        live broker serves. Returns what was removed."""
+        from tierkv.engine import sweep_stale_kv_segments
+
+        removed = sweep_stale_kv_segments(self.config.instance)
+        name = region_name(self.config.instance)
+        if os.path.exists(f"/dev/shm{name}"):
+            remove_stale_region(self.config.instance)
+            if not os.path.exists(f"/dev/shm{name}"):
+                removed.append(name)
+        if not os.path.exists(f"/dev/shm{name}"):  # no live broker of this instance
+            for link in ("client", "worker", "tier"):
+                path = ipc_path(self.config.address(link))
+                if path is not None and path.exists():
+                    path.unlink()
+                    removed.append(str(path))
+            for leftover in (self.config_path,):
+                if leftover.exists():
+                    leftover.unlink()
+        if removed:
+            log.info("cleaned up after an earlier run: %s", ", ".join(removed))
+        return removed
+
+    def pid(self, name: str) -> int:
+        return self.children[name].pid
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.children[name].pid, sig)
+
+    def __enter__(self) -> Node:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class BrokerProbe(threading.Thread):
+    """Asks the broker for `stats` every `interval_s` on its own thread (a hung
+    broker must not stall the watch loop). Restarts only follow exits, and a hung
+    broker does not exit: clients would get `BrokerUnavailable` for as long as it
+    hangs. A broker counts as hung once it has answered and then misses `misses`
+    probes in a row; the pid that answered is reported, so a broker still starting
+    (prefaulting a large region) or already replaced is never the one killed."""
+
+    def __init__(self, config: Config, misses: int, interval_s: float) -> None:
+        super().__init__(name="broker-probe", daemon=True)
+        self.config = config
+        self.misses = misses
+        self.interval_s = interval_s
+        self.hung_pid: int | None = None
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        from tierkv.client import BrokerUnavailable, Client, RemoteError
+
+        answered: int | None = None
+        missed = 0
+        address, curve = self.config.connect_address("client"), self.config.client.curve_keys()
+        while not self._stop.wait(self.interval_s):
+            try:
+                with Client(address, timeout=self.interval_s, curve=curve) as client:
+                    answered, missed = int(client.stats()["pid"]), 0
+            except (BrokerUnavailable, RemoteError, OSError):
+                missed += 1
+                if answered is not None and missed >= self.misses:
+                    self.hung_pid, answered, missed = answered, None, 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Supervisor:
+    """Runs a `Node` until SIGINT/SIGTERM: restarts a child that dies with capped
+    exponential backoff (the broker re-admits it, a disk tier recovers its
+    inventory) and keeps a status file for `tierkv status`."""
+
+    STABLE_S = 30.0  # a child up this long has its backoff reset
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.config = node.config
+        self.stopping = False
+        self.status_path = node.config.run_path / "supervisor.json"
+        self._specs = {spec.name: spec for spec in node.specs()}
+        self._backoff: dict[str, float] = {}
+        self._due: dict[str, float] = {}  # name -> when to restart it
+        probe = node.config.supervisor
+        self.probe = (BrokerProbe(node.config, probe.broker_probe_misses, probe.broker_probe_s)
+                      if probe.broker_probe_s > 0 else None)
+
+    def request_stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.status_path.unlink(missing_ok=True)  # a killed earlier supervisor's
+        try:
+            self.node.start()
+        except ChildFailed as e:
+            log.error("node did not start: %s", e)
+            return 1
+        log.info("node %s up: %s", self.config.instance,
+                 ", ".join(f"{c.name}={c.pid}" for c in self.node.children.values()))
+        self._write_status()
+        if self.probe is not None:
+            self.probe.start()
+        try:
+            while not self.stopping:
+                self.kill_hung_broker()
+                self.watch()
+                time.sleep(0.1)
+        finally:
+            if self.probe is not None:
+                self.probe.stop()
+            log.info("stopping node %s", self.config.instance)
+            codes = self.node.stop()
+            self.status_path.unlink(missing_ok=True)
+        bad = {name: code for name, code in codes.items() if code not in (0, None)}
+        if bad:
+            log.warning("children exited with %s", bad)
+        return 0
+
+    def kill_hung_broker(self) -> None:
+        """SIGKILL the broker the probe found hung; `watch` restarts it as after a crash.
+        Only our own child, and only the pid that stopped answering."""
+        probe = self.probe
+        if probe is None or probe.hung_pid is None:
+            return
+        hung, probe.hung_pid = probe.hung_pid, None
+        broker = self.node.children.get("broker")
+        if broker is not None and broker.pid == hung and broker.proc.poll() is None:
+            log.warning("broker (pid %d) missed %d probes of %.1fs in a row: hung; killing "
+                        "it to restart it", hung, probe.misses, probe.interval_s)
+            broker.proc.kill()
+
+    def watch(self) -> None:
+        """One round: notice deaths, restart what is due."""
+        now = time.monotonic()
+        changed = False
+        for name, child in list(self.node.children.items()):
+            code = child.proc.poll()
+            if code is None or name in self._due:
+                continue
+            uptime = now - child.started_at
+            base = self.config.supervisor.restart_backoff_s
+            last = self._backoff.get(name, 0.0)
+            delay = base if uptime > self.STABLE_S or not last else min(
+                last * 2, self.config.supervisor.restart_backoff_max_s)
+            self._backoff[name] = delay
+            self._due[name] = now + delay
+            log.warning("%s (pid %d) exited with code %s after %.1fs; restarting in %.1fs; "
+                        "its last lines:\n%s", name, child.pid, code, uptime, delay,
+                        child.tail(10))
+            child.close_fds()
+            changed = True
+        for name, when in list(self._due.items()):
+            if now >= when:
+                del self._due[name]
+                child = self.node.spawn(self._specs[name])
+                self.node.restarts[name] = self.node.restarts.get(name, 0) + 1
+                log.info("restarted %s (pid %d)", name, child.pid)
+                changed = True
+        if changed:
+            self._write_status()
+
+    def _write_status(self) -> None:
+        now = time.monotonic()
+        children = [
+            {"name": c.name, "pid": c.pid, "alive": c.proc.poll() is None,
+             "uptime_s": round(now - c.started_at, 1),
+             "restarts": self.node.restarts.get(c.name, 0)}
+            for c in self.node.children.values()
+        ]
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "instance": self.config.instance,
+                                   "written": time.time(), "children": children}))
+        tmp.replace(self.status_path)
+
+
+__all__ = ["ChildFailed", "ChildSpec", "Node", "Supervisor"]

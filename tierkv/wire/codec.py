@@ -1,0 +1,259 @@
+"""The one codec of tierkv's links: message types registered by `op`, and the path
+that writes them and reads (and validates) them.
+
+Wire format: one msgpack map per ZeroMQ frame, `{"v": version, "op": name, ...}`
+(`use_bin_type=True`, `raw=False`, string map keys only). Message types are frozen
+dataclasses registered by `op` (`tierkv.wire.protocol` defines them all). Decoding
+validates every field against the type hints (checkers are built once per class),
+so a wrong type, a missing field, an unknown op or an oversized list becomes a
+`ProtocolError` naming the op and the field, never an exception deep in the
+broker. Unknown extra fields are ignored: new fields are appended with defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from tierkv.core.errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_LIST = 1 << 18  # items in any one list field
+MAX_KEYS = 1 << 16  # keys in one client request
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol."""
+
+    code = ErrorCode.PROTOCOL
+
+
+# -- the codec -----------------------------------------------------------------------
+
+Checker = Callable[[Any, str], Any]
+_MESSAGES: dict[str, type[Message]] = {}
+_CHECKERS: dict[type, dict[str, tuple[Checker, Any]]] = {}
+_NO_DEFAULT = object()
+
+
+class Message:
+    """Base of all message types; `op` names it on the wire."""
+
+    op: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Constraints beyond the field types (overridden where needed)."""
+
+
+M = TypeVar("M", bound=type)
+
+
+def message(op: str) -> Callable[[M], M]:
+    def register(cls: M) -> M:
+        if op in _MESSAGES:
+            raise ValueError(f"op {op!r} defined twice")
+        cls.op = op  # type: ignore[attr-defined]
+        _MESSAGES[op] = cls
+        return cls
+
+    return register
+
+
+def to_map(msg: Message) -> dict[str, Any]:
+    """The wire map of a message (what `encode` packs; batches carry these)."""
+    body: dict[str, Any] = _to_wire(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["op"] = msg.op
+    return body
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(to_map(msg), use_bin_type=True)
+
+
+def decode(data: bytes, allowed: frozenset[str] | None = None) -> Message:
+    """Bytes -> message. Raises ProtocolError; never anything else."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
+            max_str_len=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST, max_map_len=MAX_LIST,
+        )
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not a msgpack message ({type(e).__name__}: {e})") from e
+    return decode_map(obj, allowed)
+
+
+def decode_map(obj: Any, allowed: frozenset[str] | None = None) -> Message:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r}, this side speaks version {PROTOCOL_VERSION}"
+        )
+    op = obj.get("op")
+    cls = _MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None or (allowed is not None and op not in allowed):
+        raise ProtocolError(f"unknown op {op!r}")
+    msg = _from_wire(cls, obj, str(op))
+    msg.check()
+    return msg
+
+
+def peek_id(data: bytes) -> int | None:
+    """The request id of a message that failed to decode, for the error reply."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_LIST)
+        request_id = obj.get("id") if isinstance(obj, dict) else None
+        return request_id if type(request_id) is int else None
+    except Exception:
+        return None
+
+
+def to_record(cls: type[T], obj: Any, where: str = "") -> T:
+    """Decode a map into a record dataclass (reply results), validating it."""
+    return _from_wire(cls, obj, where or cls.__name__)
+
+
+T = TypeVar("T")
+
+
+_SCALARS = (bytes, int, str, float, bool, type(None))
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, _SCALARS):
+        return value.value if isinstance(value, enum.Enum) else value
+    if isinstance(value, (list, tuple)):
+        # Lists are homogeneous (typed fields): a list of scalars goes as it is.
+        if not value or isinstance(value[0], _SCALARS) and not isinstance(value[0], enum.Enum):
+            return value if type(value) is list else list(value)
+        return [_to_wire(v) for v in value]
+    names = _FIELD_NAMES.get(type(value))
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[type(value)] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: _to_wire(getattr(value, name)) for name in names}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _from_wire(cls: type[T], obj: Any, where: str) -> T:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(obj).__name__}")
+    kwargs = {}
+    for name, (check, default) in _checkers(cls).items():
+        if name in obj:
+            kwargs[name] = check(obj[name], f"{where}.{name}")
+        elif default is _NO_DEFAULT:
+            raise ProtocolError(f"{where}: missing field {name!r}")
+    return cls(**kwargs)
+
+
+def _checkers(cls: type) -> dict[str, tuple[Checker, Any]]:
+    checkers = _CHECKERS.get(cls)
+    if checkers is None:
+        hints = typing.get_type_hints(cls)
+        checkers = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory
+            else:
+                default = _NO_DEFAULT
+            checkers[f.name] = (_checker(hints[f.name]), default)
+        _CHECKERS[cls] = checkers
+    return checkers
+
+
+def _checker(tp: Any) -> Checker:  # noqa: C901 - one branch per supported type
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return lambda v, where: v
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+
+        def check_literal(v: Any, where: str) -> Any:
+            if v not in choices or type(v) is not type(choices[0]):
+                raise ProtocolError(f"{where}: {v!r} is not one of {choices}")
+            return v
+
+        return check_literal
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = _checker(options[0]) if len(options) == 1 else _checker(Any)
+        return lambda v, where: None if v is None else inner(v, where)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        item = _checker(args[0]) if args else _checker(Any)
+        make = tuple if origin is tuple else list
+        exact = _EXACT.get(args[0]) if args else None
+
+        def check_list(v: Any, where: str) -> Any:
+            if type(v) is not list:
+                raise ProtocolError(f"{where}: expected a list, got {type(v).__name__}")
+            if len(v) > MAX_LIST:
+                raise ProtocolError(f"{where}: {len(v)} items exceeds {MAX_LIST}")
+            if exact is not None:  # fast path for lists of plain scalars (C-level loops)
+                if v and set(map(type, v)) != {exact}:
+                    bad = next(x for x in v if type(x) is not exact)
+                    raise ProtocolError(
+                        f"{where}: expected {exact.__name__} items, got {type(bad).__name__}"
+                    )
+                return v if make is list else tuple(v)
+            return make(item(x, f"{where}[{i}]") for i, x in enumerate(v))
+
+        return check_list
+    if origin is dict:
+        def check_dict(v: Any, where: str) -> Any:
+            if type(v) is not dict:
+                raise ProtocolError(f"{where}: expected a map, got {type(v).__name__}")
+            return v
+
+        return check_dict
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        def check_enum(v: Any, where: str) -> Any:
+            try:
+                return tp(v)
+            except ValueError:
+                raise ProtocolError(f"{where}: {v!r} is not a valid {tp.__name__}") from None
+
+        return check_enum
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return lambda v, where: _from_wire(tp, v, where)
+    if tp is float:
+        def check_float(v: Any, where: str) -> float:
+            if type(v) not in (float, int):
+                raise ProtocolError(f"{where}: expected a number, got {type(v).__name__}")
+            return float(v)
+
+        return check_float
+    exact = _EXACT.get(tp)
+    if exact is None:
+        raise TypeError(f"protocol cannot carry fields of type {tp!r}")
+
+    def check_exact(v: Any, where: str) -> Any:
+        if type(v) is not exact:
+            raise ProtocolError(
+                f"{where}: expected {exact.__name__}, got {type(v).__name__}"
+            )
+        return v
+
+    return check_exact
+
+
+_EXACT: dict[Any, type] = {int: int, str: str, bytes: bytes, bool: bool}

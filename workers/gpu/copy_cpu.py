@@ -1,0 +1,224 @@
+"""CPU backend of the transfer engine: the KV cache is CPU tensors in shared memory.
+
+One background thread runs the copies (numpy releases the GIL while it copies, so
+the worker's socket loop keeps running), one job at a time: loads first when both
+directions wait, each direction in submission order.
+
+How a job is copied (measured on CPU; see tierkv/bench/copy_engine.py):
+every tensor is seen as bytes ``(blocks, outer, inner)`` on both sides (the KV
+cache and this rank's pages of the region), so a block is `outer` pieces of
+`inner` bytes. The job's pairs are sorted by *source* id and cut into runs of
+consecutive source ids:
+
+* a run whose destination ids are consecutive too is one strided slice copy
+  (``np.copyto``) per tensor;
+* a long run with scattered destinations is one ``dst[ids] = src[a:b]`` per tensor:
+  numpy's fancy assignment reads the source view in place, one pass over memory;
+* short runs (fewer than `MIN_RUN_BYTES` per tensor) are gathered in chunks that
+  stay in cache (``src[ids]``, a small temporary) and scattered from there.
+  (``np.take(..., out=)`` would avoid the temporary, but it first copies a
+  non-contiguous source whole: 30x slower here.)
+
+torch's CPU index_select/index_copy_ move bytes one element at a time and were
+10-30x slower than numpy's memmove-based paths; torch intra-op threads made
+copies slower on every machine we measured (memory bound). Hence numpy here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tierkv.core.errors import ErrorCode
+from tierkv.wire.protocol import TransferJob, TransferOutcome
+from tierkv.wire.wakeup import Wakeup
+from workers.gpu.jobs import JobError, check_deadline, failed, runs
+
+if TYPE_CHECKING:
+    from tierkv.core.shm import SharedRegion
+    from tierkv.engine import OpenedKV
+
+log = logging.getLogger("tierkv.transfer_cpu")
+
+#: A run shorter than this (bytes per tensor) goes through the gather path: below
+#: it the per-call overhead of a slice copy outweighs the second pass over memory.
+MIN_RUN_BYTES = 16 << 10
+#: Gather chunk per tensor: small enough to stay in L2 between gather and scatter.
+CHUNK_BYTES = 512 << 10
+
+_Views = tuple[list[np.ndarray], list[np.ndarray]]  # (kv side, region side) per tensor
+
+
+class CpuBackend:
+    """Runs jobs on one thread; `submit`/`poll` are called from the worker's main
+    thread and only touch queues under a lock."""
+
+    kind = "cpu"
+
+    def __init__(self, region: SharedRegion, rank: int, wakeup: Wakeup | None = None) -> None:
+        self._region = region
+        self._rank = rank
+        self._wakeup = wakeup
+        self._views: _Views | None = None
+        self._queues: dict[str, deque[tuple[TransferJob, np.ndarray, np.ndarray]]] = {
+            "load": deque(), "store": deque(),
+        }
+        self._done: deque[TransferOutcome] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"tierkv-transfer-cpu-r{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- main thread -----------------------------------------------------------------
+
+    def attach(self, kv: OpenedKV | None) -> None:
+        """Wait until the queues are empty, then swap the views (None: drop them)."""
+        views = None if kv is None else _views(kv, self._region, self._rank)
+        with self._cond:
+            self._cond.wait_for(lambda: self._idle() or self._stopping)
+            self._views = views
+
+    def submit(self, job: TransferJob, gpu: np.ndarray, cpu: np.ndarray) -> None:
+        with self._cond:
+            if self._stopping:
+                self._done.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "engine closing"))
+                return
+            self._queues[job.direction].append((job, gpu, cpu))
+            self._cond.notify_all()
+
+    def poll(self) -> list[TransferOutcome]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        """Finish the running job, fail the queued ones, stop the thread."""
+        with self._cond:
+            self._stopping = True
+            for q in self._queues.values():
+                while q:
+                    job = q.popleft()[0]
+                    self._done.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "engine closed"))
+            self._cond.notify_all()
+        self._thread.join()
+        self._views = None
+
+    def _idle(self) -> bool:
+        return not self._busy and not any(self._queues.values())
+
+    # -- copy thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or any(self._queues.values()))
+                if self._stopping:
+                    self._cond.notify_all()
+                    return
+                queue = self._queues["load"] or self._queues["store"]
+                job, gpu, cpu = queue.popleft()
+                self._busy = True
+                views = self._views
+            try:
+                self._done.append(self._execute(job, gpu, cpu, views))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                if self._wakeup is not None:
+                    self._wakeup.notify()
+
+    def _execute(
+        self,
+        job: TransferJob,
+        gpu: np.ndarray,
+        cpu: np.ndarray,
+        views: _Views | None,
+    ) -> TransferOutcome:
+        start = time.monotonic()
+        try:
+            check_deadline(job, start)
+            if views is None:
+                raise JobError(ErrorCode.UNAVAILABLE, f"job {job.job_id}: no KV cache attached")
+            kv_side, region_side = views
+            if job.direction == "store":
+                copy_blocks(kv_side, region_side, gpu, cpu)
+            else:
+                copy_blocks(region_side, kv_side, cpu, gpu)
+        except JobError as e:
+            return failed(job.job_id, e.code, str(e))
+        except Exception as e:  # a bug or a vanished mapping: report, keep serving
+            log.exception("rank %d: job %d failed", self._rank, job.job_id)
+            return failed(job.job_id, ErrorCode.FATAL, f"{type(e).__name__}: {e}")
+        moved = len(gpu) * self._region.layout.page_size
+        return TransferOutcome(
+            job_id=job.job_id, success=True, bytes_moved=moved,
+            seconds=time.monotonic() - start,
+        )
+
+
+def _views(kv: OpenedKV, region: SharedRegion, rank: int) -> _Views:
+    """numpy byte views ``(blocks, outer, inner)`` of each tensor on both sides."""
+    layout = kv.layout
+    rows = region.numpy()
+    stride = region.layout.row_stride
+    base = rank * region.layout.page_size
+    kv_side, region_side = [], []
+    for i, bv in enumerate(kv.block_views()):
+        outer, inner = layout.geometry(i)
+        kv_side.append(bv.numpy().transpose(1, 0, 2))
+        start = base + layout.page_offsets[i]
+        region_side.append(np.lib.stride_tricks.as_strided(
+            rows[:, start:], (region.layout.num_blocks, outer, inner), (stride, inner, 1)
+        ))
+    return kv_side, region_side
+
+
+def copy_blocks(
+    src: list[np.ndarray],
+    dst: list[np.ndarray],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+) -> None:
+    """``dst[t][dst_ids[j]] = src[t][src_ids[j]]`` for every tensor t and pair j;
+    the arrays are ``(blocks, outer, inner)`` byte views. Runs on the copy thread."""
+    order = np.argsort(src_ids, kind="stable")
+    s, d = src_ids[order], dst_ids[order]
+    starts, lengths = runs(s)
+    smallest = min(v[0].nbytes for v in src)
+    long_run = lengths >= max(1, -(-MIN_RUN_BYTES // smallest))
+    # breaks[k]: how many times d fails to step by one before pair k
+    breaks = np.concatenate(([0], np.cumsum(np.diff(d) != 1)))
+    plan = [
+        (int(s[a]), a, n, breaks[a + n - 1] == breaks[a])
+        for a, n in zip(starts[long_run].tolist(), lengths[long_run].tolist(), strict=True)
+    ]
+    for sv, dv in zip(src, dst, strict=True):
+        for s0, a, n, consecutive in plan:
+            if consecutive:
+                d0 = int(d[a])
+                np.copyto(dv[d0 : d0 + n], sv[s0 : s0 + n])
+            else:
+                dv[d[a : a + n]] = sv[s0 : s0 + n]
+    if not long_run.all():
+        short = np.repeat(~long_run, lengths)
+        _gather_scatter(src, dst, s[short], d[short])
+
+
+def _gather_scatter(
+    src: list[np.ndarray], dst: list[np.ndarray], s: np.ndarray, d: np.ndarray
+) -> None:
+    """Scattered pairs: gather a chunk (it stays in cache), scatter it."""
+    for sv, dv in zip(src, dst, strict=True):
+        k = max(1, CHUNK_BYTES // sv[0].nbytes)
+        for lo in range(0, len(s), k):
+            dv[d[lo : lo + k]] = sv[s[lo : lo + k]]

@@ -1,0 +1,223 @@
+"""The gpu worker's copy engine: moves KV blocks between the engine's KV cache and
+this rank's pages of the CPU tier. It knows no sockets; `workers/gpu_worker.py`
+feeds it jobs and ships its outcomes.
+
+Threads: every public method is called from the worker's main (socket) thread and
+never blocks for long, except `attach` and `close`, which wait for the jobs in
+flight. Copies run elsewhere: on a background thread for CPU KV caches
+(`transfer_cpu`), on the worker's own CUDA streams for CUDA KV caches
+(`transfer_cuda`).
+
+A job copies ``gpu_block_ids[j] <-> cpu_block_ids[j]`` for every j; "store" is KV
+cache -> CPU tier, "load" is CPU tier -> KV cache. Only page `rank` of each CPU-tier
+row is touched, so the workers of all ranks share one region. The bytes of a block
+inside a page follow `tierkv.engine` (the page layout is defined there only).
+
+Ordering contract (the client, the broker and the engine rely on it):
+
+* Jobs of one direction run in submission order; loads and stores may overlap each
+  other (the broker never lets a load read a CPU block that is being written).
+  The CPU backend runs waiting loads before waiting stores.
+* Store: the client asks to store a block only after the engine step that wrote it
+  has synchronized its output on the host (the sampled tokens reached the CPU), so
+  every write to the block is complete and visible to another stream or process.
+  The engine must not reuse a stored GPU block until the client saw the store
+  finish.
+* Load: a load is complete for the engine only when the client sees the job
+  finished (a `step` result), which follows the worker observing the job's CUDA
+  event complete. The engine reads the loaded blocks on a later step; no
+  cross-process CUDA event is shared (simpler, and a step boundary is already a
+  host synchronization in every engine we target).
+
+Invalid jobs — ids out of range, lengths that differ, a duplicate destination id,
+no KV cache attached, a deadline already passed — fail with a `TransferOutcome`
+(codes from `tierkv.core.errors.ErrorCode`) and copy nothing; submit and poll never
+raise for a bad job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from tierkv.core.errors import ErrorCode
+from tierkv.wire.protocol import TransferJob, TransferOutcome
+from tierkv.wire.wakeup import Wakeup
+from workers.gpu.jobs import JobError, TransferError, failed, validate
+
+if TYPE_CHECKING:
+    from tierkv.core.shm import SharedRegion
+    from tierkv.engine import OpenedKV
+
+log = logging.getLogger("tierkv.transfer")
+
+class Backend(Protocol):
+    """One device kind's copy machinery. Methods run on the worker's main thread."""
+
+    kind: str
+
+    def attach(self, kv: OpenedKV | None) -> None:
+        """Wait for the jobs in flight, then use `kv` (None: let go of the old one)."""
+
+    def submit(self, job: TransferJob, gpu: np.ndarray, cpu: np.ndarray) -> None:
+        """Queue a validated job; never blocks for its copy."""
+
+    def poll(self) -> list[TransferOutcome]:
+        """Finished jobs, each once; never blocks."""
+
+    def close(self) -> None:
+        """Stop; jobs not started are reported as failed by the next poll."""
+
+
+class TransferEngine:
+    """Copies blocks for one rank between an attached KV cache and `region`.
+
+    `device`: "auto" (the backend follows the attached KV cache's device), "cpu",
+    or "cuda"/"cuda:N" (refuse KV caches elsewhere). `staging_bytes` bounds the
+    device staging buffer of each direction (CUDA only)."""
+
+    def __init__(
+        self,
+        region: SharedRegion,
+        rank: int,
+        device: str = "auto",
+        *,
+        staging_bytes: int = 64 << 20,
+        wakeup: Wakeup | None = None,
+    ) -> None:
+        if not 0 <= rank < region.layout.world_size:
+            raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
+        if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+            raise TransferError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+        self.region = region
+        self.rank = rank
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self.wakeup = wakeup  # the CPU backend notifies it when a copy finishes
+        self._kv: OpenedKV | None = None
+        self._backend: Backend | None = None
+        self._early: deque[TransferOutcome] = deque()
+        self._in_flight = 0
+        self._closed = False
+
+    @property
+    def kv(self) -> OpenedKV | None:
+        return self._kv
+
+    @property
+    def notifies(self) -> bool:
+        """True if finished copies notify `wakeup` (CPU); CUDA events must be polled."""
+        return self._backend is None or getattr(self._backend, "kind", "") == "cpu"
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet returned by `poll` (failed ones included)."""
+        return self._in_flight
+
+    def attach(self, kv: OpenedKV) -> None:
+        """Use `kv` for the next jobs, replacing the previous KV cache. Blocks until
+        the jobs in flight finish on the old one; the caller closes the old
+        `OpenedKV` afterwards. Raises TransferError if `kv` does not fit."""
+        if self._closed:
+            raise TransferError("the transfer engine is closed")
+        page = self.region.layout.page_size
+        if kv.layout.page_size != page:
+            raise TransferError(
+                f"KV cache page_size {kv.layout.page_size} (one block, all tensors) does not "
+                f"match the CPU tier's page_size {page}"
+            )
+        kind = kv.device.type
+        if self.device != "auto" and self.device.split(":")[0] != kind:
+            raise TransferError(f"this engine copies for {self.device}, the KV cache is on {kind}")
+        if self._backend is not None and self._backend.kind != kind:
+            self._backend.attach(None)
+            self._drain_backend()
+        if self._backend is None:
+            self._backend = self._make_backend(kind)
+        self._backend.attach(kv)
+        self._kv = kv
+        log.info("rank %d: attached %r (page %d B)", self.rank, kv, page)
+
+    def detach(self) -> None:
+        """Let go of the KV cache (after the jobs in flight), e.g. before closing it."""
+        if self._backend is not None:
+            self._backend.attach(None)
+        self._kv = None
+
+    def _make_backend(self, kind: str) -> Backend:
+        if kind == "cuda":
+            from workers.gpu.copy_cuda import CudaBackend
+
+            return CudaBackend(self.region, self.rank, self.staging_bytes)
+        if kind == "cpu":
+            from workers.gpu.copy_cpu import CpuBackend
+
+            return CpuBackend(self.region, self.rank, self.wakeup)
+        raise TransferError(f"no transfer backend for device type {kind!r}")
+
+    def _drain_backend(self) -> None:
+        assert self._backend is not None
+        self._backend.close()
+        self._early.extend(self._backend.poll())
+        self._backend = None
+
+    def submit(self, job: TransferJob) -> None:
+        """Queue `job`. Never raises for a bad job: it fails through `poll`."""
+        self._in_flight += 1
+        if self._closed:
+            self._early.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "engine closed"))
+            return
+        try:
+            gpu, cpu = validate(job, self._kv, self.region.layout.num_blocks)
+        except JobError as e:
+            self._early.append(failed(job.job_id, e.code, str(e)))
+            return
+        if len(gpu) == 0:
+            self._early.append(TransferOutcome(job_id=job.job_id, success=True))
+            return
+        assert self._backend is not None
+        try:
+            self._backend.submit(job, gpu, cpu)
+        except Exception as e:  # a device error while queueing: this job only
+            log.exception("rank %d: job %d could not be queued", self.rank, job.job_id)
+            self._early.append(failed(job.job_id, ErrorCode.FATAL, f"{type(e).__name__}: {e}"))
+
+    def poll(self) -> list[TransferOutcome]:
+        """Outcomes of finished jobs, each reported exactly once. Never blocks."""
+        out = list(self._early)
+        self._early.clear()
+        if self._backend is not None:
+            out += self._backend.poll()
+        self._in_flight -= len(out)
+        return out
+
+    def wait(self, timeout: float = 60.0) -> list[TransferOutcome]:
+        """Poll until nothing is in flight or `timeout` passes (tests, benchmarks and
+        shutdown; the worker loop polls instead)."""
+        out: list[TransferOutcome] = []
+        end = time.monotonic() + timeout
+        while True:
+            out += self.poll()
+            if self._in_flight == 0 or time.monotonic() >= end:
+                return out
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        """Wait for the job running, fail those not started (reported by a last
+        `poll`), release the device resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._backend is not None:
+            self._drain_backend()
+        self._kv = None
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
