@@ -241,12 +241,12 @@ class BrokerCore:
 
     def _load(self, client: bytes, msg: LoadRequest) -> LoadResult:
         workers = self._require_workers("loads")
-        cpu_ids = self.manager.prepare_load(msg.keys, msg.req_id)
+        cpu_ids, sources = self.manager.prepare_load_from(msg.keys, msg.req_id)
         transfer = self._start_transfer(
             "load", client, list(msg.keys), list(msg.gpu_block_ids), cpu_ids, workers
         )
         self.counters["loads"] += 1
-        return LoadResult(transfer.job_id)
+        return LoadResult(transfer.job_id, sources)
 
     def _start_transfer(
         self, kind: str, client: bytes, keys: list[bytes], gpu_ids: list[int],

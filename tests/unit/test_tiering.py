@@ -461,3 +461,23 @@ def test_a_slow_tier_is_skipped_past_its_backlog_not_pinning_the_cpu_tier(instan
         slow.complete_pending()
         settle(mgr)
         assert slow.holds(k(1)[0]) and slow.holds(k(3)[0]) and not slow.holds(k(4)[0])
+
+
+def test_a_load_says_which_tier_each_promoted_block_came_from_once(region):
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2, 3))
+    settle(mgr)
+    evict_all(mgr, region)
+    gpu_store(mgr, region, k(1))  # back in the CPU tier from the engine, not promoted
+    settle(mgr)
+    assert mgr.lookup(k(1, 2, 3), req_id="r").pending
+    mgr.step()
+    assert mgr.lookup(k(1, 2, 3), req_id="r") == Lookup(3, False)
+    ids, sources = mgr.prepare_load_from(k(1, 2, 3), req_id="r")
+    assert sources == {"a": 2}  # 2 and 3 came from tier a; 1 was a CPU hit
+    mgr.complete_load(k(1, 2, 3))
+    _, again = mgr.prepare_load_from(k(1, 2, 3), req_id="r2")
+    assert again == {}  # loaded once already: from now on they are CPU hits
+    mgr.complete_load(k(1, 2, 3))
+    mgr.check_invariants()

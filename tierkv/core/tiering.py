@@ -103,6 +103,9 @@ class TieringManager:
              "unknown_job_results", "leases_expired"), 0
         )
         self._promoted_from: dict[str, int] = dict.fromkeys(names, 0)
+        # key -> the tier a promotion brought it from, until its first load: what an
+        # engine did not recompute is counted once, by the tier it came from.
+        self._origin: dict[OffloadKey, int] = {}
 
     # -- the scheduler-facing operations --------------------------------------------
 
@@ -137,7 +140,10 @@ class TieringManager:
         self, keys: Iterable[OffloadKey], req_id: ReqId = None
     ) -> PrepareStoreOutput | None:
         self._poll_once()
-        return self.primary.prepare_store(keys)
+        out = self.primary.prepare_store(keys)
+        if out is not None:
+            self._forget_origin(out.evicted_keys)
+        return out
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """End a store from the GPU. Keys being promoted are not the caller's to end."""
@@ -152,15 +158,29 @@ class TieringManager:
             self._queue_cascade(changed, source=None)
 
     def prepare_load(self, keys: Sequence[OffloadKey], req_id: ReqId = None) -> list[int]:
+        return self.prepare_load_from(keys, req_id)[0]
+
+    def prepare_load_from(
+        self, keys: Sequence[OffloadKey], req_id: ReqId = None
+    ) -> tuple[list[int], dict[str, int]]:
+        """`prepare_load`, and how many of the keys a promotion brought from each
+        secondary tier since they were last loaded (the rest were already in the CPU
+        tier). Each promoted block is counted once, at its first load."""
         self._poll_once()
         block_ids = self.primary.prepare_load(keys)
+        sources: dict[str, int] = {}
+        for key in keys:
+            tier = self._origin.pop(key, None)
+            if tier is not None:
+                name = self.tiers[tier].name
+                sources[name] = sources.get(name, 0) + 1
         leases = self._leases.get(req_id)
         if leases:
             mine = [k for k in keys if leases.pop(k, None) is not None]
             self.primary.release(mine)  # the load's own reader protects them now
             if not leases:
                 del self._leases[req_id]
-        return block_ids
+        return block_ids, sources
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         self.primary.complete_load(keys)
@@ -258,7 +278,7 @@ class TieringManager:
             self.primary.release(list(leases))
         self._leases.clear()
         self._expiring.clear()
-        self.primary.clear()
+        self._forget_origin(self.primary.clear())
 
     def shutdown(self) -> None:
         """Stop the secondary tiers first (they hold views of the rows), then close
@@ -291,6 +311,8 @@ class TieringManager:
 
     def _start_promotion(self, key: OffloadKey, tier: int, req_id: ReqId) -> bool:
         out = self.primary.prepare_store([key], filtered=False)
+        if out is not None:
+            self._forget_origin(out.evicted_keys)
         if out is None or not out.keys_to_store:
             self._counters["promotions_refused"] += 1
             return False
@@ -378,6 +400,7 @@ class TieringManager:
         if not landed:
             return
         self.primary.complete_store(landed, success=True)
+        self._origin.update(dict.fromkeys(landed, promotion.tier))
         self._counters["promotions_landed"] += len(landed)
         self._promoted_from[self.tiers[promotion.tier].name] += len(landed)
         self._queue_cascade(landed, source=promotion.tier)
@@ -401,6 +424,10 @@ class TieringManager:
                 del self._leases[req_id]
             self.primary.release([key])
             self._counters["leases_expired"] += 1
+
+    def _forget_origin(self, evicted: Iterable[OffloadKey]) -> None:
+        for key in evicted:
+            self._origin.pop(key, None)
 
     def _remember_failed(self, tier: int, key: OffloadKey) -> None:
         self._failed[(tier, key)] = None

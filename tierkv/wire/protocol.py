@@ -222,6 +222,9 @@ class StoreResult:
 @dataclass(frozen=True, slots=True)
 class LoadResult:
     job_id: int
+    # Of the loaded keys, how many a promotion brought from each secondary tier
+    # (counted once per promoted block, at its first load); the rest were CPU hits.
+    sources: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
