@@ -79,6 +79,7 @@ class RemoteTier(SecondaryTier):
         self._finished: list[JobResult] = []
         self._store_backlog = 0
         self._backend_stats: dict[bytes, dict[str, Any]] = {}
+        self._failing_until: dict[bytes, float] = {}  # peer -> its breaker's cool-down end
         self.failures: dict[str, int] = {}  # error code -> failed jobs
         self._events: list[OffloadEvent] = []
         self._counters: dict[str, float] = dict.fromkeys(
@@ -93,8 +94,19 @@ class RemoteTier(SecondaryTier):
     def available(self) -> bool:
         return any(p.ready for p in self._peers.values())
 
+    @property
+    def failing(self) -> bool:
+        """Every process of the tier reports its endpoint failing (an open circuit
+        breaker, still cooling down): a promotion would fail at once, so its keys
+        miss at once. After the cool-down a lookup may go through again: it is the
+        trial request that closes the breaker."""
+        now = self._clock()
+        until = [self._failing_until.get(p.identity, 0.0) for p in self._peers.values()
+                 if p.ready]
+        return bool(until) and min(until) > now
+
     def lookup(self, key: OffloadKey) -> bool | None:
-        if not self.available:
+        if not self.available or self.failing:
             return False
         return self.index.lookup(key)
 
@@ -132,6 +144,7 @@ class RemoteTier(SecondaryTier):
             "capacity_bytes": self.capacity_bytes,
             "processes": len(self._peers),
             "available": self.available,
+            "failing": self.failing,
             "in_flight": len(self._in_flight),
             "queued": len(self._urgent) + len(self._others),
             "checking": self.index.checking,
@@ -196,9 +209,15 @@ class RemoteTier(SecondaryTier):
     def on_stats(self, identity: bytes, stats: dict[str, Any]) -> None:
         if identity in self._peers:
             self._backend_stats[identity] = stats
+            retry_in = stats.get("breaker_retry_in_s")
+            if stats.get("breaker") == "open" and isinstance(retry_in, (int, float)):
+                self._failing_until[identity] = self._clock() + min(float(retry_in), 3600.0)
+            else:
+                self._failing_until.pop(identity, None)
 
     def peer_died(self, identity: bytes, reason: str) -> None:
         self._backend_stats.pop(identity, None)
+        self._failing_until.pop(identity, None)
         peer = self._peers.pop(identity, None)
         if peer is None:
             return

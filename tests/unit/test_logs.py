@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from tierkv.node.logs import FOREIGN_CHARS, RateLimitedLog, foreign
+from tierkv.core.loglimit import FOREIGN_CHARS, RateLimitedLog, foreign
 
 
 def test_a_foreign_value_is_cut_to_a_prefix_with_its_length():

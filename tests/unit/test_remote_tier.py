@@ -28,3 +28,24 @@ def test_a_tier_is_overdue_only_a_grace_past_its_jobs_deadline():
     assert tier.overdue(now[0]) == {b"t1"}
     tier.on_done(b"t1", TierDoneBatch([JobResult(1, False)], credit=1))
     assert tier.overdue(now[0]) == set()  # reported: nothing held any more
+
+
+def test_a_tier_whose_breaker_is_open_answers_lookups_as_misses_at_once():
+    """Issue 13: a tier whose endpoint is down kept starting promotions that could
+    only fail; with its circuit breaker open, its keys are misses until it closes."""
+    now = [0.0]
+    tier = RemoteTier("s3", lambda ident, msg: True, lambda: now[0])
+    for ident in (b"t1", b"t2"):
+        tier.on_hello(ident, TierHello("s3", "s3", pid=1))
+        tier.on_inventory(ident, [b"k"], last=True)
+    assert tier.lookup(b"k") is True
+    tier.on_stats(b"t1", {"breaker": "open", "breaker_retry_in_s": 5.0})
+    assert tier.lookup(b"k") is True  # one process still reaches the endpoint
+    tier.on_stats(b"t2", {"breaker": "open", "breaker_retry_in_s": 3.0})
+    assert tier.lookup(b"k") is False and tier.stats()["failing"]
+    now[0] = 3.5  # one breaker's cool-down is over: a lookup is its trial request
+    assert tier.lookup(b"k") is True
+    tier.on_stats(b"t2", {"breaker": "open", "breaker_retry_in_s": 2.0})  # the trial failed
+    assert tier.lookup(b"k") is False
+    tier.on_stats(b"t1", {"breaker": "closed"})
+    assert tier.lookup(b"k") is True

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.core.errors import ErrorCode
+from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.primary import BlockStateError, PrimaryTier
 from tierkv.core.shm import SharedRegion
 from tierkv.core.tiering import Lookup, TieringManager
@@ -274,15 +274,43 @@ def test_partial_promotion_keeps_the_keys_that_loaded(region):
     assert not mgr.primary.contains(k(3)[0])
 
 
-def test_cpu_full_during_promotion_is_a_miss(region):
+def test_cpu_full_of_busy_blocks_answers_pending_not_a_miss(region):
+    """Issue 13: a block on disk was a flat miss while every CPU block was busy, and
+    the engine recomputed what it could have loaded a step later."""
     a = MemoryTier(region, capacity_blocks=64, name="a")
     mgr = manager(region, a)
     gpu_store(mgr, region, k(1))
     settle(mgr)
     evict_all(mgr, region)
-    mgr.prepare_load(k(*range(100, 106)))  # every CPU block has a reader
-    assert mgr.lookup(k(1), "r") == Lookup(0, False)
+    busy = k(*range(100, 106))
+    mgr.prepare_load(busy)  # every CPU block has a reader
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
     assert mgr.stats()["tiering"]["promotions_refused"] == 1
+    mgr.complete_load(busy)  # the loads finished: blocks can be evicted again
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)  # now promoted
+    settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(1, False)
+    mgr.check_invariants()
+
+
+def test_cpu_full_of_cascading_blocks_answers_pending(region):
+    """The case of issue 13: every CPU block pinned by cascades still in flight."""
+    slow = MemoryTier(region, capacity_blocks=64, name="slow", auto_complete=False)
+    mgr = manager(region, slow)
+    gpu_store(mgr, region, k(1))
+    settle(mgr)
+    slow.complete_pending()
+    settle(mgr)
+    evict_all(mgr, region)  # k(1) only in the tier now; the fill is still cascading
+    assert all(mgr.primary.readers(x) for x in k(*range(100, 106)))
+    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    slow.complete_pending()
+    settle(mgr)
+    assert mgr.lookup(k(1), "r").pending  # room now: promoted
+    mgr.step()  # the promotion goes out
+    slow.complete_pending()
+    settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(1, False)
 
 
 def test_lease_protects_landed_blocks_until_loaded(instance):
@@ -296,7 +324,7 @@ def test_lease_protects_landed_blocks_until_loaded(instance):
         evict_all(mgr, region)
         assert mgr.lookup(k(1, 2), "A").pending
         settle(mgr)  # A's blocks landed and are leased
-        assert mgr.lookup(k(3, 4), "B") == Lookup(0, False)  # cannot evict A's unread blocks
+        assert mgr.lookup(k(3, 4), "B") == Lookup(0, True)  # cannot evict A's unread blocks
         assert mgr.lookup(k(1, 2), "A") == Lookup(2, False)
         gpu_load(mgr, region, k(1, 2), req="A")
         assert mgr.lookup(k(3, 4), "B") == Lookup(0, True)  # now there is room
@@ -481,3 +509,88 @@ def test_a_load_says_which_tier_each_promoted_block_came_from_once(region):
     assert again == {}  # loaded once already: from now on they are CPU hits
     mgr.complete_load(k(1, 2, 3))
     mgr.check_invariants()
+
+
+class FailingBackend(MemoryBackend):
+    """A memory tier whose loads fail as an unreachable endpoint's do (not lost)."""
+
+    failing = False
+
+    def load(self, key, dst):
+        if self.failing:
+            raise TierError(ErrorCode.UNAVAILABLE, "endpoint unreachable")
+        super().load(key, dst)
+
+
+def test_a_failed_promotion_backs_off_per_tier_instead_of_retrying_every_step(region, caplog):
+    """Issue 13: a promotion that failed for any cause but a lost key was retried at
+    every lookup while the fault lasted (an S3 outage of a few seconds: ~1,000 jobs
+    and 800 warning lines)."""
+    now = [0.0]
+    backend = FailingBackend(64, block_bytes=region.block_bytes)
+    tier = RecordingLocal(backend, region, name="s3")
+    mgr = manager(region, tier, clock=lambda: now[0], promotion_backoff_s=1.0,
+                  promotion_backoff_max_s=4.0)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    evict_all(mgr, region)
+    backend.failing = True
+    assert mgr.lookup(k(1, 2), "r") == Lookup(0, True)
+    settle(mgr)
+    for _ in range(50):  # the engine asks every step while the outage lasts
+        assert mgr.lookup(k(1, 2), "r") == Lookup(0, False)
+        mgr.step()
+    assert len(tier.loads) == 1
+    now[0] = 1.5  # the back-off is over: one more try, which fails: twice as long now
+    assert mgr.lookup(k(1, 2), "r").pending
+    settle(mgr)
+    now[0] = 3.0
+    assert mgr.lookup(k(1, 2), "r") == Lookup(0, False)
+    now[0] = 3.6
+    backend.failing = False  # the endpoint is back
+    assert mgr.lookup(k(1, 2), "r").pending
+    settle(mgr)
+    assert mgr.lookup(k(1, 2), "r") == Lookup(2, False)
+    assert len(tier.loads) == 3
+    assert mgr.stats()["tiering"]["promotions_failed"] == 4
+    # The warning was written once per spell, not once per failed job.
+    lines = [r for r in caplog.records if "promotion of" in r.getMessage()]
+    assert 1 <= len(lines) <= 2
+    mgr.check_invariants()
+
+
+def test_a_success_resets_the_back_off(region):
+    now = [0.0]
+    backend = FailingBackend(64, block_bytes=region.block_bytes)
+    tier = RecordingLocal(backend, region, name="s3")
+    mgr = manager(region, tier, clock=lambda: now[0], promotion_backoff_s=1.0,
+                  promotion_backoff_max_s=60.0)
+    gpu_store(mgr, region, k(1, 2, 3))
+    settle(mgr)
+    evict_all(mgr, region)
+    backend.failing = True
+    for t in (0.0, 1.1, 3.2, 7.3):  # back-offs of 1, 2, 4, then 8 s
+        now[0] = t
+        assert mgr.lookup(k(1), "r").pending
+        settle(mgr)
+    assert mgr.lookup(k(1), "r") == Lookup(0, False)
+    now[0] = 15.4
+    backend.failing = False
+    assert mgr.lookup(k(1), "r").pending
+    settle(mgr)
+    assert mgr.lookup(k(1), "r").hits == 1
+    backend.failing = True
+    assert mgr.lookup(k(1, 2), "r2").pending  # k(2) fails now: the back-off starts over
+    settle(mgr)
+    now[0] = 16.5  # 1.1 s later: a fresh back-off of 1 s is over
+    assert mgr.lookup(k(1, 2), "r2").pending
+
+
+class RecordingLocal(LocalTier):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loads: list[Job] = []
+
+    def submit_load(self, job: Job) -> None:
+        self.loads.append(job)
+        super().submit_load(job)

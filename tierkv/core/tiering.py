@@ -9,7 +9,8 @@ keep data safe"):
 * **Staged promotion**: `lookup` scans the keys after the CPU hits up to the first
   key no tier holds; each key a secondary tier holds gets a CPU block in `writing`
   and a load from that tier. The lookup says `pending` while any scanned key is in
-  flight; bytes are never reported as hits before they are readable.
+  flight, or while no CPU block can be made free for one (all are busy: that
+  passes); bytes are never reported as hits before they are readable.
 * **Once per step**: tier completions are polled at most once per step (on the
   first operation of the step, or at its end) and applied there; promotions and
   cascades are flushed at the step's end, one job per (tier, request) for
@@ -19,6 +20,12 @@ keep data safe"):
 * **Leases**: a promoted block stays protected (a reader) until its request loads
   it, the request is finished, or `lease_steps` steps pass, so promotions for
   queued requests cannot evict each other's landed, unread blocks.
+* **Failed promotions** make the key a miss in that tier, never an endless retry:
+  until it is stored again when the tier lost it (not found, corrupt), and for a
+  back-off otherwise (a dead process, a timeout, an endpoint down: the key may be
+  fine). The back-off is per tier, doubles while its promotions keep failing and
+  resets on a promotion that lands; a tier that says it is unavailable (an open
+  circuit breaker) answers every lookup as a miss at once.
 
 Runs on one thread (the broker's loop); nothing here blocks except `reset`, which
 drains the tiers.
@@ -28,17 +35,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.core.errors import LOST
 from tierkv.core.keys import OffloadEvent, OffloadKey
+from tierkv.core.loglimit import RateLimitedLog
 from tierkv.core.primary import BlockStateError, PrepareStoreOutput, PrimaryTier
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
 
 log = logging.getLogger("tierkv.core.tiering")
+PROMOTION_BACKOFF_S = 1.0  # a key whose promotion failed (not lost) waits this long first
+PROMOTION_BACKOFF_MAX_S = 60.0  # and at most this long, while its tier keeps failing
 
 ReqId = str | None
 
@@ -66,6 +78,9 @@ class TieringManager:
         region: Any = None,
         failed_key_memory: int = 100_000,
         max_cascade_backlog: int | None = None,
+        promotion_backoff_s: float = PROMOTION_BACKOFF_S,
+        promotion_backoff_max_s: float = PROMOTION_BACKOFF_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lease_steps < 1:
             raise ValueError(f"lease_steps must be >= 1, got {lease_steps}")
@@ -93,9 +108,16 @@ class TieringManager:
         # req -> key -> expiry step; each lease holds one reader on the CPU block.
         self._leases: dict[ReqId, dict[OffloadKey, int]] = {}
         self._expiring: dict[int, list[tuple[ReqId, OffloadKey]]] = defaultdict(list)
-        # (tier, key) whose promotion failed: a miss in that tier until stored again.
-        self._failed: OrderedDict[tuple[int, OffloadKey], None] = OrderedDict()
+        # (tier, key) whose promotion failed -> until when it is a miss in that tier
+        # (inf: the tier lost it; a miss there until it is stored again).
+        self._failed: OrderedDict[tuple[int, OffloadKey], float] = OrderedDict()
         self._failed_key_memory = failed_key_memory
+        self.clock = clock
+        self.promotion_backoff_s = promotion_backoff_s
+        self.promotion_backoff_max_s = promotion_backoff_max_s
+        self._backoff = [0.0] * len(self.tiers)  # per tier: the current back-off
+        self._backoff_until = [0.0] * len(self.tiers)  # and when its spell ends
+        self._warn = RateLimitedLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
             ("lookups_pending", "promotions_started", "promotions_landed", "promotions_failed",
              "promotions_refused", "promotions_cancelled", "cascades_queued", "cascades_skipped",
@@ -129,9 +151,11 @@ class TieringManager:
             if not may_promote:
                 pending = True
                 continue
-            if not self._start_promotion(key, holder, req_id):
-                break  # no CPU room: a miss, not a retry loop
             pending = True
+            if not self._start_promotion(key, holder, req_id):
+                # Every CPU block is busy (being written, read or cascaded): that
+                # passes, and loading beats recomputing, so the engine asks again.
+                break
         if pending:
             self._counters["lookups_pending"] += 1
         return Lookup(hits, pending)
@@ -300,7 +324,7 @@ class TieringManager:
         """The first tier that holds `key`, and whether some tier does not know yet."""
         unknown = False
         for t, tier in enumerate(self.tiers):
-            if (t, key) in self._failed:
+            if self._failed and self._backing_off(t, key):
                 continue
             found = tier.lookup(key)
             if found:
@@ -388,17 +412,10 @@ class TieringManager:
         for key in promotion.keys:
             self._promoting.pop(key, None)
         if failed:
-            self.primary.complete_store(failed, success=False)
-            if result.error_code in LOST:
-                # The tier lost these keys: a miss there until they are stored again.
-                # A dead process or a timeout says nothing about the keys themselves.
-                for key in failed:
-                    self._remember_failed(promotion.tier, key)
-            self._counters["promotions_failed"] += len(failed)
-            log.warning("promotion of %d key(s) from %s failed: %s", len(failed),
-                        self.tiers[promotion.tier].name, result.error or "no reason given")
+            self._promotion_failed(promotion.tier, failed, result)
         if not landed:
             return
+        self._backoff[promotion.tier] = 0.0  # the tier serves again
         self.primary.complete_store(landed, success=True)
         self._origin.update(dict.fromkeys(landed, promotion.tier))
         self._counters["promotions_landed"] += len(landed)
@@ -429,7 +446,37 @@ class TieringManager:
         for key in evicted:
             self._origin.pop(key, None)
 
-    def _remember_failed(self, tier: int, key: OffloadKey) -> None:
-        self._failed[(tier, key)] = None
+    def _promotion_failed(self, t: int, failed: list[OffloadKey], result: JobResult) -> None:
+        self.primary.complete_store(failed, success=False)
+        self._counters["promotions_failed"] += len(failed)
+        code = result.error_code
+        if code in LOST:
+            # The tier lost these keys: a miss there until they are stored again.
+            until = math.inf
+        else:
+            # A dead process, a timeout, an endpoint down: the keys may be fine, the
+            # tier is not. Its keys miss for a back-off that grows once per spell.
+            now = self.clock()
+            if now >= self._backoff_until[t]:
+                self._backoff[t] = min(max(2 * self._backoff[t], self.promotion_backoff_s),
+                                       self.promotion_backoff_max_s)
+                self._backoff_until[t] = now + self._backoff[t]
+            until = self._backoff_until[t]
+        for key in failed:
+            self._failed[(t, key)] = until
+            self._failed.move_to_end((t, key))
         while len(self._failed) > self._failed_key_memory:
             self._failed.popitem(last=False)
+        name = self.tiers[t].name
+        self._warn.warning((name, code), "promotion of %d key(s) from %s failed: %s",
+                           len(failed), name, result.error or "no reason given")
+
+    def _backing_off(self, t: int, key: OffloadKey) -> bool:
+        """Is `key` a miss in tier `t` because its promotion from there failed?"""
+        until = self._failed.get((t, key))
+        if until is None:
+            return False
+        if until > self.clock():
+            return True
+        del self._failed[(t, key)]  # the back-off is over: the tier may be asked again
+        return False

@@ -73,5 +73,7 @@ class CircuitBreaker:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            retry_in = max(0.0, self._opened_at + self.cooldown_s - self._clock())
             return {"breaker": self._state, "breaker_opens": self.opens,
-                    "consecutive_failures": self._failures}
+                    "consecutive_failures": self._failures,
+                    "breaker_retry_in_s": retry_in if self._state == self.OPEN else 0.0}
