@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 import time
+from collections import OrderedDict
 from types import FrameType
 
 import zmq
@@ -51,6 +52,7 @@ from tierkv.wire.sockets import (
 log = logging.getLogger("broker")
 
 MAX_MESSAGES_PER_WAKEUP = 2000
+MAX_REQ_PEERS = 65536  # REQ identities remembered for their envelope (the oldest go)
 METRICS_S = 0.5  # how often the metrics endpoint's snapshot is refreshed
 
 
@@ -101,12 +103,17 @@ class BrokerProc:
                 curve_server(sock, secret)
             bind(sock, address, curve=bool(secret))
         self._links = {sock: link for link, sock in self.sockets.items()}
+        self._req_peers: OrderedDict[bytes, None] = OrderedDict()  # identities that use REQ
 
     # -- sending ---------------------------------------------------------------------
 
     def _send(self, link: str, identity: bytes, msg: Message) -> bool:
+        # A REQ peer's reply goes back in its envelope (an empty delimiter frame),
+        # or libzmq's REQ socket drops it; a DEALER's goes without.
+        payload = encode(msg)
+        frames = [identity, b"", payload] if identity in self._req_peers else [identity, payload]
         try:
-            self.sockets[link].send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            self.sockets[link].send_multipart(frames, flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
             log.debug("send to %s %r failed: %s", link, identity, e)
@@ -165,12 +172,17 @@ class BrokerProc:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) < 2:
+            if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):
                 self.core.counters["protocol_errors"] += 1
                 continue
             # DEALER sends [payload]; REQ sends [b"", payload]. The router's first
             # frame is the identity either way.
             identity, payload = frames[0], frames[-1]
+            if len(frames) == 3:
+                self._req_peers[identity] = None
+                self._req_peers.move_to_end(identity)
+                while len(self._req_peers) > MAX_REQ_PEERS:
+                    self._req_peers.popitem(last=False)
             self._handle(link, identity, payload)
 
     def _handle(self, link: str, identity: bytes, payload: bytes) -> None:

@@ -54,7 +54,7 @@ from tierkv.wire.protocol import (
     to_map,
     to_record,
 )
-from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, make_socket
+from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, ipc_path, make_socket
 
 # The names of DESIGN's public API.
 Lookup = LookupResult
@@ -231,7 +231,8 @@ class Client:
             try:
                 sock.send(payload, flags=zmq.NOBLOCK)
                 break
-            except zmq.Again:
+            except zmq.Again:  # not connected (yet): say at once if nothing is there
+                self._check_address()
                 if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
                     self._give_up(timeout)
         while True:
@@ -241,6 +242,13 @@ class Client:
             if isinstance(reply, Reply) and reply.id == request_id:
                 return reply
             # A stale reply to an earlier call that timed out: skip it.
+
+    def _check_address(self) -> None:
+        path = ipc_path(self.address)
+        if path is not None and not path.exists():
+            raise BrokerUnavailable(
+                f"no broker at {self.address}: the socket file does not exist (is the node "
+                "running? `tierkv status -c FILE` says)")
 
     def _give_up(self, timeout: float) -> None:
         self._connect()  # drop whatever is queued; a restarted broker is found again
