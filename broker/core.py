@@ -14,11 +14,11 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.events import EventRouter
 from broker.peers import Peer, PeerState, PeerTable, fence
 from broker.remote_tier import RemoteTier
 from broker.transfers import Transfer, TransferTracker
@@ -73,7 +73,6 @@ log = logging.getLogger("broker.core")
 
 Link = str  # "client" | "worker" | "tier"
 Send = Callable[[Link, bytes, Message], bool]
-MAX_EVENTS = 100_000
 MAX_FINISHED_PER_CLIENT = 100_000
 
 
@@ -107,6 +106,7 @@ class BrokerCore:
         remote_tiers: dict[str, RemoteTier],
         send: Send,
         clock: Callable[[], float] = time.monotonic,
+        publish: Callable[[list[OffloadEvent]], None] | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -124,7 +124,7 @@ class BrokerCore:
         self._pending_regs: dict[int, _PendingRegistration] = {}
         self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
         self._finished: dict[bytes, list[TransferResult]] = {}
-        self._events: deque[OffloadEvent] = deque(maxlen=MAX_EVENTS)
+        self.events = EventRouter(publish)
         self._last_step = clock()
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "protocol_errors", "request_errors", "steps", "ticks", "stores",
@@ -201,9 +201,7 @@ class BrokerCore:
 
     def _collect(self, client: bytes) -> StepResult:
         finished = self._finished.pop(client, [])
-        events = list(self._events)
-        self._events.clear()
-        return StepResult(finished, events, self.manager.step_count)
+        return StepResult(finished, self.events.take(client), self.manager.step_count)
 
     # -- transfers (client -> workers) ---------------------------------------------------
 
@@ -231,6 +229,7 @@ class BrokerCore:
             return StoreResult(None, [], refused=True)
         if not out.keys_to_store:
             return StoreResult(None, [])
+        self.events.own(client, out.keys_to_store)
         gpu_of = dict(zip(msg.keys, msg.gpu_block_ids, strict=True))
         gpu_ids = [gpu_of[k] for k in out.keys_to_store]
         transfer = self._start_transfer(
@@ -471,7 +470,7 @@ class BrokerCore:
         self.manager.step()
         for tier in self.remote_tiers.values():
             tier.dispatch()
-        self._events.extend(self.manager.take_events())
+        self.events.route(self.manager.take_events())
         self._last_step = self.clock()
 
     def _apply_outcomes(self) -> None:

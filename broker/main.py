@@ -21,6 +21,7 @@ import zmq
 from broker.core import BrokerCore, RunState
 from broker.metrics import BrokerMetrics
 from broker.remote_tier import RemoteTier
+from tierkv.core.keys import OffloadEvent
 from tierkv.core.primary import PrimaryTier
 from tierkv.core.reuse import ReuseFilter
 from tierkv.core.shm import RegionError, SharedRegion
@@ -32,6 +33,7 @@ from tierkv.wire.protocol import (
     CLIENT_OPS,
     TIER_OPS,
     WORKER_OPS,
+    EventBatch,
     Message,
     ProtocolError,
     decode,
@@ -80,7 +82,9 @@ class BrokerProc:
                                      lease_steps=cpu.lease_steps, region=self.region,
                                      max_cascade_backlog=cpu.cascade_backlog_blocks
                                      or max(64, cpu.num_blocks // 4))
-            self.core = BrokerCore(config, manager, self.remote, self._send, clock)
+            self.core = BrokerCore(config, manager, self.remote, self._send, clock,
+                                   publish=self._publish if config.broker.events_address
+                                   else None)
             self._open_sockets()
             self.metrics = BrokerMetrics(config.broker.metrics_port) \
                 if config.broker.metrics_port else None
@@ -103,6 +107,13 @@ class BrokerProc:
                 curve_server(sock, secret)
             bind(sock, address, curve=bool(secret))
         self._links = {sock: link for link, sock in self.sockets.items()}
+        self.events_sock: zmq.Socket | None = None
+        self._event_seq = 0
+        if self.config.broker.events_address:
+            self.events_sock = make_socket(self.ctx, zmq.PUB)
+            if secret:
+                curve_server(self.events_sock, secret)
+            bind(self.events_sock, self.config.broker.events_address, curve=bool(secret))
         self._req_peers: OrderedDict[bytes, None] = OrderedDict()  # identities that use REQ
 
     # -- sending ---------------------------------------------------------------------
@@ -121,6 +132,17 @@ class BrokerProc:
 
     def _send_tier(self, identity: bytes, msg: Message) -> bool:
         return self._send("tier", identity, msg)
+
+    def _publish(self, events: list[OffloadEvent]) -> None:
+        """PUB drops what a slow subscriber cannot take (its high-water mark): the
+        broker never waits for a router."""
+        assert self.events_sock is not None
+        self._event_seq += 1
+        batch = EventBatch(self._event_seq, self.core.manager.step_count, events)
+        try:
+            self.events_sock.send(encode(batch), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("events not published: %s", e)
 
     # -- the loop --------------------------------------------------------------------
 
@@ -220,6 +242,9 @@ class BrokerProc:
         self.core.say_goodbye()
         for sock in self.sockets.values():
             sock.close(linger=0)
+        if self.events_sock is not None:
+            self.events_sock.close(linger=0)
+            remove_ipc_file(self.config.broker.events_address)
         if self.auth is not None:
             self.auth.stop()
         for address in self.addresses.values():

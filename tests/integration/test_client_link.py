@@ -60,3 +60,41 @@ def test_a_client_of_a_socket_file_that_does_not_exist_says_so_at_once(tmp_path)
         with pytest.raises(BrokerUnavailable, match="socket file does not exist"):
             client.stats()
         assert time.monotonic() - t0 < 1.0
+
+
+def test_each_client_hears_of_its_own_blocks_and_a_router_of_all(make_cluster, tmp_path):
+    """Issue 13: with two engines on one broker, the events of both went to whichever
+    stepped first. Each now gets the events of the blocks it stored; a router that
+    wants the whole node subscribes to `broker.events_address`."""
+    events_address = f"ipc://{tmp_path / 'events.sock'}"
+    cluster = make_cluster(broker={"events_address": events_address})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events_address)
+    a, b = cluster.client(), cluster.client()
+    mine, theirs = keys(1, 2), keys(3)
+    cluster.fill(mine + theirs, [0, 1, 2])
+    time.sleep(0.2)  # the subscription reaches the broker's PUB socket
+    stores = [a.store(mine, [0, 1], "ra"), b.store(theirs, [2], "rb")]
+    heard: dict[str, list] = {"a": [], "b": []}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        heard["a"] += a.step().events
+        heard["b"] += b.step().events
+        if {k for e in heard["a"] for k in e.keys} >= set(mine) and heard["b"]:
+            break
+    stored = {name: {(e.tier, k) for e in evs if e.kind == "stored" for k in e.keys}
+              for name, evs in heard.items()}
+    assert ("cpu", mine[0]) in stored["a"] and ("cpu", mine[1]) in stored["a"]
+    assert stored["b"] >= {("cpu", theirs[0])}
+    assert not {k for _, k in stored["a"]} & set(theirs)
+    assert not {k for _, k in stored["b"]} & set(mine)
+    assert all(s.job_id for s in stores)
+    published = set()
+    while sub.poll(2000) and not published >= set(mine + theirs):
+        batch = msgpack.unpackb(sub.recv(), raw=False)
+        assert batch["op"] == "events" and batch["seq"] >= 1
+        published |= {k for e in batch["events"] if e["tier"] == "cpu" for k in e["keys"]}
+    assert published >= set(mine + theirs)
+    sub.close()

@@ -64,6 +64,9 @@ class BrokerConfig:
     job_timeout_s: float = 30.0  # deadline of one transfer or tier job
     drain_timeout_s: float = 10.0  # how long SIGTERM waits for in-flight jobs
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1; 0: off
+    # A PUB socket with every stored/removed event of the node, for routers (each
+    # client gets the events of its own blocks in `step`); "": off.
+    events_address: str = ""
     # CurveZMQ (required for a tcp address beyond loopback): the broker's secret key
     # file and a directory of the public keys it lets in (see `tierkv keygen`).
     curve_secret_file: str = ""
@@ -256,6 +259,9 @@ def _check(c: Config) -> None:
     for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s"):
         if getattr(c.broker, key) <= 0:
             fail(f"broker.{key}", "must be positive")
+    if c.broker.events_address and not c.broker.events_address.startswith(("ipc://", "tcp://")):
+        fail("broker.events_address", f"must be an ipc:// or tcp:// address, got "
+             f"{c.broker.events_address!r}")
     if not 0 <= c.broker.metrics_port < 65536:
         fail("broker.metrics_port", "must be 0..65535")
     if c.worker.device not in ("auto", "cpu", "cuda"):

@@ -250,6 +250,18 @@ class BatchResult:
     results: list[Reply]
 
 
+@message("events")
+@dataclass(frozen=True, slots=True)
+class EventBatch(Message):
+    """Broker -> subscribers of `broker.events_address` (PUB), once per step with
+    events: every stored/removed event of the node, in order. `seq` counts batches,
+    so a subscriber sees what it missed."""
+
+    seq: int
+    step: int
+    events: list[OffloadEvent]
+
+
 # -- broker <-> gpu worker --------------------------------------------------------------
 
 
