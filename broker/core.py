@@ -15,15 +15,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from broker.events import EventRouter
-from broker.peers import Peer, PeerState, PeerTable, fence
+from broker.peers import Peer, PeerState, PeerTable, fence, gone
+from broker.registrations import RegistrationRefused, Registrations
 from broker.remote_tier import RemoteTier
 from broker.transfers import Transfer, TransferTracker
 from tierkv.core.errors import ErrorCode, TierError
-from tierkv.core.keys import OffloadEvent
+from tierkv.core.keys import OffloadEvent, OffloadKey
+from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.primary import BlockStateError
 from tierkv.core.shm import owner_alive
 from tierkv.core.tiering import TieringManager
@@ -90,14 +91,6 @@ class RequestError(Exception):
         self.code = code
 
 
-@dataclass(eq=False)
-class _PendingRegistration:
-    client: bytes
-    request_id: int
-    rank: int
-    deadline: float
-
-
 class BrokerCore:
     def __init__(
         self,
@@ -118,13 +111,16 @@ class BrokerCore:
         self.transfers = TransferTracker()
         self.started_at = clock()
         self._job_ids = itertools.count(1)
-        self._reg_ids = itertools.count(1)
         self._workers: dict[int, Peer] = {}  # rank -> ready worker
-        self._registrations: dict[int, dict[str, Any]] = {}  # rank -> last engine registration
-        self._pending_regs: dict[int, _PendingRegistration] = {}
+        self.registrations = Registrations()
         self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
         self._finished: dict[bytes, list[TransferResult]] = {}
         self.events = EventRouter(publish)
+        self._warn = RateLimitedLog(log)  # what a peer can make the broker say, bounded
+        # Peers that went silent and could not be fenced, and what their jobs hold.
+        self._quarantine: dict[bytes, Peer] = {}
+        self._held_jobs: dict[int, bytes] = {}  # transfer job -> the worker it waits on
+        self._held_blocks: dict[bytes, list[tuple[str, list[OffloadKey]]]] = {}
         self._last_step = clock()
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "protocol_errors", "request_errors", "steps", "ticks", "stores",
@@ -142,6 +138,12 @@ class BrokerCore:
             return
         reply = self._run(client, msg, request_id)
         self._send("client", client, reply)
+
+    def internal_error(self, client: bytes, request_id: int, error: Exception) -> None:
+        """A request the broker failed to handle (a bug) still gets its reply."""
+        self._send("client", client, Reply(request_id, False, error=ErrorInfo(
+            ErrorCode.FATAL.value, f"the broker could not handle this request "
+            f"({type(error).__name__}); see its log")))
 
     def client_error(self, client: bytes, request_id: int | None, error: ProtocolError) -> None:
         self.counters["protocol_errors"] += 1
@@ -266,33 +268,43 @@ class BrokerCore:
 
     def _register_kv(self, client: bytes, msg: RegisterKVRequest) -> None:
         def refuse(code: ErrorCode, why: str) -> None:
+            self.counters["request_errors"] += 1
             self._send("client", client, Reply(msg.id, False, error=ErrorInfo(code.value, why)))
 
         if not 0 <= msg.rank < self.config.cpu.world_size:
             refuse(ErrorCode.BAD_REQUEST,
                    f"rank {msg.rank} out of range for world_size {self.config.cpu.world_size}")
             return
-        self._registrations[msg.rank] = msg.registration
+        try:
+            self.registrations.check(client, msg.rank, msg.registration, msg.token)
+        except RegistrationRefused as e:
+            refuse(ErrorCode.BAD_REQUEST, str(e))
+            return
         peer = self._workers.get(msg.rank)
         if peer is None:
+            self.registrations.wait_for_worker(client, msg.rank, msg.registration)
             refuse(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {msg.rank}; "
                    "the registration is kept and sent when it comes")
             return
-        reg_id = next(self._reg_ids)
-        self._pending_regs[reg_id] = _PendingRegistration(
-            client, msg.id, msg.rank, self.clock() + self.config.broker.job_timeout_s)
-        self._send_peer(peer, AttachKV(reg_id, msg.registration))
+        self._attach(peer, client, msg.id, msg.rank, msg.registration)
+
+    def _attach(self, peer: Peer, client: bytes | None, request_id: int | None, rank: int,
+                registration: dict[str, Any]) -> None:
+        deadline = self.clock() + self.config.broker.job_timeout_s
+        reg_id = self.registrations.begin(client, request_id, rank, registration, deadline)
+        self._send_peer(peer, AttachKV(reg_id, registration))
 
     def _on_attached(self, peer: Peer, msg: AttachedKV) -> None:
-        peer.extra["kv_attached"] = msg.ok
-        if not msg.ok:
-            log.error("%s could not attach the KV cache: %s", peer.label(), msg.error)
-        pending = self._pending_regs.pop(msg.reg_id, None)
-        if pending is None:
+        if msg.ok:
+            peer.extra["kv_attached"] = True
+        else:  # the worker keeps the registration that works, if it had one
+            log.error("%s could not attach a KV cache: %s", peer.label(), foreign(msg.error))
+        pending, token = self.registrations.attached(msg.reg_id, msg.ok)
+        if pending is None or pending.client is None or pending.request_id is None:
             return  # a re-attach after a worker restart: nobody is waiting
         if msg.ok:
-            reply = Reply(pending.request_id, True, result={"rank": pending.rank,
-                                                            "page_size": msg.page_size})
+            reply = Reply(pending.request_id, True, result={
+                "rank": pending.rank, "page_size": msg.page_size, "token": token})
         else:
             reply = Reply(pending.request_id, False,
                           error=ErrorInfo(ErrorCode.BAD_REQUEST.value, msg.error))
@@ -316,7 +328,7 @@ class BrokerCore:
         elif isinstance(msg, AttachedKV):
             self._on_attached(peer, msg)
         elif isinstance(msg, Bye):
-            self._peer_gone(peer, f"said bye ({msg.reason})", fence_it=False)
+            self._peer_gone(peer, f"said bye ({foreign(msg.reason, 60)})", fence_it=False)
         elif not isinstance(msg, Heartbeat):
             self.counters["protocol_errors"] += 1
 
@@ -339,20 +351,21 @@ class BrokerCore:
             self._peer_gone(current, "said hello on a new session" if same
                             else "replaced by a new worker", fence_it=False)
         peer = Peer(identity, "worker", f"rank{hello.rank}", hello.pid, hello.start_time,
-                    connected_at=now, last_seen=now, state=PeerState.READY,
+                    connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token,
                     extra={"rank": hello.rank, "device": hello.device,
                            "kv_attached": hello.registration is not None})
         self.peers.add(peer)
         self._workers[hello.rank] = peer
         self._welcome("worker", peer)
-        log.info("%s ready (device %s)", peer.label(), hello.device)
+        log.info("%s ready (device %s)", peer.label(), foreign(hello.device, 20))
         if hello.registration is not None:
             # The worker kept the engine's KV cache across a broker restart.
-            self._registrations.setdefault(hello.rank, hello.registration)
+            self.registrations.adopt(hello.rank, hello.registration)
             return
-        registration = self._registrations.get(hello.rank)
-        if registration is not None:  # a restarted worker: re-attach what the engine gave
-            self._send_peer(peer, AttachKV(next(self._reg_ids), registration))
+        again = self.registrations.for_new_worker(hello.rank)
+        if again is not None:  # what the engine gave, for a new or restarted worker
+            client, registration = again
+            self._attach(peer, client, None, hello.rank, registration)
 
     # -- tier link -------------------------------------------------------------------
 
@@ -376,7 +389,7 @@ class BrokerCore:
         elif isinstance(msg, TierStats):
             tier.on_stats(identity, msg.stats)
         elif isinstance(msg, Bye):
-            self._peer_gone(peer, f"said bye ({msg.reason})", fence_it=False)
+            self._peer_gone(peer, f"said bye ({foreign(msg.reason, 60)})", fence_it=False)
         elif not isinstance(msg, Heartbeat):
             self.counters["protocol_errors"] += 1
 
@@ -394,11 +407,11 @@ class BrokerCore:
         if old is not None:
             self._peer_gone(old, "said hello again", fence_it=False)
         peer = Peer(identity, "tier", hello.tier, hello.pid, hello.start_time,
-                    connected_at=now, last_seen=now, state=PeerState.READY)
+                    connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token)
         self.peers.add(peer)
         tier.on_hello(identity, hello)
         self._welcome("tier", peer)
-        log.info("%s connected (%s, %d blocks to report)", peer.label(), hello.type,
+        log.info("%s connected (%s, %d blocks to report)", peer.label(), foreign(hello.type, 20),
                  hello.inventory_total)
 
     # -- liveness ------------------------------------------------------------------
@@ -426,18 +439,30 @@ class BrokerCore:
                     self._peer_gone(holder, f"held a job {tier.fence_grace_s:.1f}s past its "
                                     f"deadline (broker.job_timeout_s="
                                     f"{self.config.broker.job_timeout_s})", fence_it=True)
-        for reg_id, pending in list(self._pending_regs.items()):
-            if now > pending.deadline:
-                del self._pending_regs[reg_id]
+        for pending in self.registrations.overdue(now):
+            if pending.client is not None and pending.request_id is not None:
                 why = f"worker of rank {pending.rank} did not attach in time"
                 self._send("client", pending.client, Reply(
                     pending.request_id, False, error=ErrorInfo(ErrorCode.TIMEOUT.value, why)))
         for peer in self.peers.due_heartbeat(now):
             self._send_peer(peer, Heartbeat())
+        if self._quarantine:
+            self._release_quarantined()
 
     def _peer_gone(self, peer: Peer, reason: str, fence_it: bool) -> None:
-        if fence_it and fence(peer):
-            self.counters["peers_fenced"] += 1
+        """Forget a peer and fail its jobs. One that went silent (`fence_it`) is
+        fenced first; if it cannot be (not started by this node, or its claim does
+        not check out), the blocks of its jobs stay held until its process is gone."""
+        hold = False
+        if fence_it:
+            if fence(peer, self.config.run_path):
+                self.counters["peers_fenced"] += 1
+            else:
+                hold = True
+                self._quarantine[peer.identity] = peer
+                log.warning("%s stopped answering and was not started by this node's "
+                            "supervisor, so it is not killed: the blocks of its jobs stay "
+                            "reserved until pid %d exits", peer.label(), peer.pid)
         log.warning("%s is gone: %s", peer.label(), reason)
         self.counters["peer_deaths"] += 1
         peer.state = PeerState.DEAD
@@ -448,11 +473,29 @@ class BrokerCore:
                 del self._workers[rank]
             for transfer in list(self.transfers.jobs.values()):
                 if rank in transfer.pending_ranks:
+                    if hold:
+                        self._held_jobs[transfer.job_id] = peer.identity
                     self._outcomes.append((rank, TransferOutcome(
                         transfer.job_id, False, ErrorCode.UNAVAILABLE.value,
                         f"worker of rank {rank} died: {reason}")))
         else:
-            self.remote_tiers[peer.name].peer_died(peer.identity, reason)
+            self.remote_tiers[peer.name].peer_died(peer.identity, reason, hold=hold)
+
+    def _release_quarantined(self) -> None:
+        """The blocks of a peer that could not be fenced are released once its
+        process is seen gone."""
+        for identity, peer in list(self._quarantine.items()):
+            if not gone(peer):
+                continue
+            del self._quarantine[identity]
+            if peer.kind == "tier":
+                self.remote_tiers[peer.name].release_held(identity)
+            for kind, keys in self._held_blocks.pop(identity, ()):
+                if kind == "store":
+                    self.manager.complete_store(keys, False)
+                else:
+                    self.manager.complete_load(keys)
+            log.info("%s has exited: the blocks of its jobs are released", peer.label())
 
     # -- steps ---------------------------------------------------------------------
 
@@ -481,7 +524,11 @@ class BrokerCore:
                 if outcome.job_id not in self.transfers.jobs:
                     self.counters["late_outcomes"] += 1
                 continue
-            if transfer.kind == "store":
+            holder = self._held_jobs.pop(transfer.job_id, None)
+            if holder is not None and holder in self._quarantine:
+                # A worker that may still write (or read) these rows: not yet.
+                self._held_blocks.setdefault(holder, []).append((transfer.kind, transfer.keys))
+            elif transfer.kind == "store":
                 self.manager.complete_store(transfer.keys, transfer.success)
             else:
                 self.manager.complete_load(transfer.keys)
@@ -522,6 +569,7 @@ class BrokerCore:
             "uptime_s": now - self.started_at,
             "broker": dict(self.counters),
             "transfers_in_flight": len(self.transfers),
+            "quarantined_peers": [p.label() for p in self._quarantine.values()],
             "peers": [
                 {"kind": p.kind, "name": p.name, "pid": p.pid, "state": p.state.value,
                  "uptime_s": now - p.connected_at, "silent_s": now - p.last_seen,
@@ -556,7 +604,7 @@ class BrokerCore:
                                       self.config.namespace))
 
     def _refuse(self, link: Link, identity: bytes, reason: str) -> None:
-        log.warning("refused a %s: %s", link, reason)
+        self._warn.warning((link, identity), "refused a %s: %s", link, foreign(reason))
         self.counters["request_errors"] += 1
         self._send(link, identity, Refused(reason))
 

@@ -22,6 +22,7 @@ from broker.core import BrokerCore, RunState
 from broker.metrics import BrokerMetrics
 from broker.remote_tier import RemoteTier
 from tierkv.core.keys import OffloadEvent
+from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.primary import PrimaryTier
 from tierkv.core.reuse import ReuseFilter
 from tierkv.core.shm import RegionError, SharedRegion
@@ -115,6 +116,7 @@ class BrokerProc:
                 curve_server(self.events_sock, secret)
             bind(self.events_sock, self.config.broker.events_address, curve=bool(secret))
         self._req_peers: OrderedDict[bytes, None] = OrderedDict()  # identities that use REQ
+        self._warn = RateLimitedLog(log)  # what a peer can make the broker say, bounded
 
     # -- sending ---------------------------------------------------------------------
 
@@ -217,7 +219,8 @@ class BrokerProc:
                 core.client_error(identity, peek_id(payload), e)
             else:
                 core.counters["protocol_errors"] += 1
-                log.warning("dropped a malformed %s message: %s", link, e)
+                self._warn.warning((link, identity), "dropped a malformed %s message from %s: "
+                                   "%s", link, foreign(identity, 40), foreign(str(e)))
             return
         try:
             if link == "client":
@@ -226,10 +229,14 @@ class BrokerProc:
                 core.on_worker(identity, msg)
             else:
                 core.on_tier(identity, msg)
-        except Exception:
-            # A bug must cost one message, not the node.
+        except Exception as e:
+            # A bug must cost one message, not the node; a request still gets a reply.
             core.counters["protocol_errors"] += 1
-            log.exception("error handling a %s %s message", link, msg.op)
+            if self._warn.warning(("bug", link, msg.op), "error handling a %s %s message: %s",
+                                  link, msg.op, foreign(repr(e))):
+                log.debug("the traceback", exc_info=True)
+            if link == "client":
+                core.internal_error(identity, getattr(msg, "id", 0), e)
 
     # -- lifetime ------------------------------------------------------------------
 

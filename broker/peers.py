@@ -9,9 +9,12 @@ interval.
 Fencing: every peer that writes CPU-tier rows or engine KV blocks runs on this
 host (it maps the shared region). A peer that stops answering may only be hung
 (SIGSTOP, a stuck syscall) and could wake up and write into rows the broker has
-already reused, so before its jobs are failed and their blocks released the broker
-kills it by pid (checked against its start time, so a reused pid is never hit).
-The supervisor then restarts it.
+already reused, so before its jobs' blocks are released the broker kills it, but
+only a process this node's supervisor started: the peer's hello must carry the
+token the supervisor gave that very process (pid and start time checked,
+`tierkv.node.children`). A peer's own claim is never evidence: anything else that
+goes silent is not signalled, and the blocks of its jobs stay held until its
+process is seen gone (quarantine), so a late write can never land in a reused row.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tierkv.core.shm import process_start_time
+from tierkv.node.children import verified_child
 
 log = logging.getLogger("broker.peers")
 
@@ -45,22 +50,32 @@ class Peer:
     last_sent: float = 0.0
     state: PeerState = PeerState.NEW
     restarts: int = 0
+    token: str = ""  # from the hello: see `fence`
     extra: dict = field(default_factory=dict)
 
     def label(self) -> str:
         return f"{self.kind} {self.name} (pid {self.pid})"
 
 
-def fence(peer: Peer) -> bool:
-    """Kill a peer that may still be alive. True if it is known to be gone."""
+def gone(peer: Peer) -> bool:
+    """Is the peer's process known to have exited? Only from evidence: its pid is
+    free, or now belongs to a process started at another time."""
     if peer.pid <= 0:
-        return True
+        return False  # no pid to look at: unknown
     started = process_start_time(peer.pid)
     if started is None:
-        return True  # already gone
-    if peer.start_time and started and started != peer.start_time:
-        return True  # the pid now belongs to someone else: ours is gone
-    if peer.pid == os.getpid():
+        return True
+    return bool(peer.start_time) and started != peer.start_time
+
+
+def fence(peer: Peer, run_dir: Path) -> bool:
+    """Make sure a silent peer cannot write any more. True if it is known to be gone
+    (killed now, or already gone); False if it may still be alive: it was not
+    started by this node (or its claim does not check out), so it is not signalled."""
+    if gone(peer):
+        return True
+    if peer.pid == os.getpid() or not verified_child(run_dir, peer.token, peer.pid,
+                                                     peer.start_time):
         return False
     try:
         os.kill(peer.pid, signal.SIGKILL)

@@ -80,6 +80,7 @@ class RemoteTier(SecondaryTier):
         self._store_backlog = 0
         self._backend_stats: dict[bytes, dict[str, Any]] = {}
         self._failing_until: dict[bytes, float] = {}  # peer -> its breaker's cool-down end
+        self._held: dict[bytes, list[tuple[Job, JobResult]]] = {}  # unfenced peer -> jobs
         self.failures: dict[str, int] = {}  # error code -> failed jobs
         self._events: list[OffloadEvent] = []
         self._counters: dict[str, float] = dict.fromkeys(
@@ -146,6 +147,7 @@ class RemoteTier(SecondaryTier):
             "available": self.available,
             "failing": self.failing,
             "in_flight": len(self._in_flight),
+            "held_jobs": self.held_jobs,
             "queued": len(self._urgent) + len(self._others),
             "checking": self.index.checking,
             **self._counters,
@@ -215,7 +217,10 @@ class RemoteTier(SecondaryTier):
             else:
                 self._failing_until.pop(identity, None)
 
-    def peer_died(self, identity: bytes, reason: str) -> None:
+    def peer_died(self, identity: bytes, reason: str, hold: bool = False) -> None:
+        """The process is gone: its jobs fail. With `hold` (a silent process that
+        could not be fenced) their results wait in `release_held`: the rows it reads
+        or writes must not be reused while it may still touch them."""
         self._backend_stats.pop(identity, None)
         self._failing_until.pop(identity, None)
         peer = self._peers.pop(identity, None)
@@ -224,16 +229,27 @@ class RemoteTier(SecondaryTier):
         self._counters["peer_deaths"] += 1
         for job_id in list(peer.jobs):
             entry = self._in_flight.pop(job_id)
-            self._complete(entry.job, JobResult(
-                job_id, False, error_code=ErrorCode.UNAVAILABLE,
-                error=f"tier process {peer.pid} of {self.name} died: {reason}",
-            ))
+            result = JobResult(job_id, False, error_code=ErrorCode.UNAVAILABLE,
+                               error=f"tier process {peer.pid} of {self.name} died: {reason}")
+            if hold:
+                self._held.setdefault(identity, []).append((entry.job, result))
+            else:
+                self._complete(entry.job, result)
         if not self._peers:
             # The tier leaves the index until a process comes back with its inventory.
             self.index.present.clear()
             for key in self.index.clear_pending_checks():
                 self.index.checked((), [key])
             self._fail_queued(f"no process serves tier {self.name}")
+
+    def release_held(self, identity: bytes) -> None:
+        """The unfenced process is gone: its held jobs end now."""
+        for job, result in self._held.pop(identity, ()):
+            self._complete(job, result)
+
+    @property
+    def held_jobs(self) -> int:
+        return sum(len(jobs) for jobs in self._held.values())
 
     def overdue(self, now: float) -> set[bytes]:
         """Peers holding a job `fence_grace_s` past its deadline: hung, to be fenced.

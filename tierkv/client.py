@@ -95,6 +95,7 @@ class Client:
         self._sock: zmq.Socket | None = None
         self._held: list[JobResult] = []  # finished while `wait` looked for others
         self._held_events: list[Any] = []
+        self.registration_tokens: dict[int, str] = {}  # rank -> what replaces ours
         self._connect()
 
     @classmethod
@@ -171,10 +172,21 @@ class Client:
         return self._call(StatsRequest(self._id(), verify), None)
 
     def register_kv(
-        self, rank: int, registration: dict[str, Any], timeout: float | None = None
+        self, rank: int, registration: dict[str, Any], timeout: float | None = None,
+        token: str | None = None,
     ) -> dict[str, Any]:
-        """Hand an engine's KV cache (see `tierkv.engine`) to the worker of `rank`."""
-        return self._call(RegisterKVRequest(self._id(), rank, registration), None, timeout)
+        """Hand an engine's KV cache (see `tierkv.engine`) to the worker of `rank`.
+
+        Only the engine that made a rank's registration may replace it: this client
+        (it keeps the token the broker returns, also across reconnects), a client
+        given that `token`, or any client once that engine has exited. A
+        registration the worker cannot open leaves the working one in place."""
+        token = token if token is not None else self.registration_tokens.get(rank, "")
+        reply = self._call(RegisterKVRequest(self._id(), rank, registration, token), None,
+                           timeout)
+        if isinstance(reply, dict) and reply.get("token"):
+            self.registration_tokens[rank] = reply["token"]
+        return reply
 
     def batch(self) -> Batch:
         """Collect operations and send them in one round trip: `b = c.batch();

@@ -62,7 +62,7 @@ class WorkerService(PeerService):
         pid = os.getpid()
         hello = WorkerHello(self.rank, self.config.cpu.world_size, pid,
                             process_start_time(pid) or 0, _device_kind(self.device),
-                            self.registration)
+                            self.registration, token=self.token)
         link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TO_WORKER_OPS,
                           self.config.client.curve_keys())
         try:

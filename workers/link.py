@@ -23,6 +23,7 @@ from types import FrameType
 import zmq
 
 from tierkv.core.shm import RegionError, SharedRegion
+from tierkv.node.children import take_token
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
 from tierkv.wire.protocol import (
     Bye,
@@ -154,6 +155,7 @@ class PeerService(ABC):
         self.connect_timeout_s = connect_timeout_s
         self.stopping = False
         self.sessions = 0
+        self.token = take_token()  # proves to the broker that the supervisor started us
         self._lifeline = lifeline_fd()
         self._announced = False
 

@@ -81,7 +81,7 @@ class TierService(PeerService):
         hello = TierHello(
             self.name, backend.type_name, pid, process_start_time(pid) or 0,
             shared=backend.shared, capacity_bytes=backend.capacity(),
-            namespace=self.config.namespace, inventory_total=len(inventory),
+            namespace=self.config.namespace, inventory_total=len(inventory), token=self.token,
         )
         chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],
                             last=i + INVENTORY_CHUNK >= len(inventory))

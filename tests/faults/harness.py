@@ -4,10 +4,10 @@ replayed load that checks every byte it loads, and the figures of docs/reliabili
 
 Why a supervisor subprocess: faults are real signals to real processes, and only
 a supervisor restarts what dies, so the node under test is the one `tierkv up`
-runs. Why one `Recorder` for every client: `step` hands the broker's events to
-whichever client steps first, so the load, the probe and the checker all feed it,
-or "stored on disk" reports would fall between them and lost blocks would go
-unnoticed.
+runs. Why a `Recorder` that listens to the broker's events socket: a client hears
+only of the blocks it stored, and the load's client stops stepping before the disk
+tier reports its last evictions, so "stored on disk" reports taken from the clients
+would miss some and blocks would look lost (or lost ones would go unnoticed).
 """
 
 from __future__ import annotations
@@ -120,11 +120,12 @@ class NodeUnderTest:
     s3: Any = None  # the S3Server the s3 tier talks to (through `proxy`)
     proxy: Any = None
     interval_s: float = 0.05
-    monitor: Driver = field(init=False)  # stats only: it never steps, so takes no events
+    monitor: Driver = field(init=False)  # stats only: it never steps
     position: int = 0  # where the replay goes on
 
     def __post_init__(self) -> None:
         self.monitor = Driver(self.node.config, None, self.recorder, timeout=1.0)
+        self.recorder.listen(self.node.config.broker.events_address)
 
     @property
     def config(self) -> Config:
@@ -136,6 +137,7 @@ class NodeUnderTest:
 
     def close(self) -> None:
         self.monitor.close()
+        self.recorder.close()
 
     def stats(self) -> dict[str, Any] | None:
         return self.monitor.stats()

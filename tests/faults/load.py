@@ -1,7 +1,5 @@
-"""The engine's side under fault: its KV cache, and a steady replayed load that checks
-every byte it loads. One `Recorder` is fed by every client (the load, the probe and
-the checker), so "stored on disk" reports cannot fall between them and a lost
-block is always noticed."""
+"""The engine's side under fault: its KV cache, a steady replayed load that checks
+every byte it loads, and the `Recorder` of what the node said it stored on disk."""
 
 from __future__ import annotations
 
@@ -18,11 +16,12 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import zmq
 
 from tests.integration.cluster import LAYOUT, key_bytes
 from tierkv.client import BrokerUnavailable, Client, RemoteError
 from tierkv.node.config import Config
-from tierkv.wire.protocol import TransferResult
+from tierkv.wire.protocol import EventBatch, TransferResult, decode
 
 GPU_BLOCKS = 64
 LOAD_BLOCKS = tuple(range(0, 32))  # the load generator's KV blocks
@@ -103,7 +102,9 @@ class EngineKV:
 class Recorder:
     """Which keys the broker reported stored on (and removed from) the disk tier, and
     when (in events seen): a key evicted after a fault is not lost, one evicted
-    before and stored again is as good as any other."""
+    before and stored again is as good as any other. It watches the whole node
+    (`listen` to the broker's events socket): a client hears only of its own blocks,
+    and the load's client stops stepping before the tier's last evictions."""
 
     def __init__(self, disk: str | None = "disk") -> None:
         self.disk = disk
@@ -111,6 +112,33 @@ class Recorder:
         self._seen = 0
         self._held: dict[bytes, bool] = {}
         self._removed_at: dict[bytes, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def listen(self, address: str) -> None:
+        """Absorb every event the broker publishes, on a thread, until `close`."""
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(address)
+
+        def run() -> None:
+            try:
+                while not self._stop.is_set():
+                    if sub.poll(100):
+                        batch = decode(sub.recv())
+                        if isinstance(batch, EventBatch):
+                            self.absorb(batch.events)
+            finally:
+                sub.close()
+
+        self._thread = threading.Thread(target=run, name="events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
 
     def absorb(self, events: list[Any]) -> None:
         with self._lock:
@@ -219,7 +247,6 @@ class Driver:
 
     def step(self) -> None:
         result = self.call(self.client.step)
-        self.recorder.absorb(result.events)
         for done in result.finished:
             self._finished[done.job_id] = done
 

@@ -43,7 +43,7 @@ def fault_config(instance: str, run_dir: Path, tiers: list[dict[str, Any]],
     base: dict[str, Any] = {
         "cpu": {"num_blocks": 48, "page_size": PAGE},
         "broker": {"heartbeat_s": 0.5, "job_timeout_s": 3.0, "tick_ms": 2.0,
-                   "drain_timeout_s": 2.0},
+                   "drain_timeout_s": 2.0, "events_address": f"ipc://{run_dir / 'events.sock'}"},
         "client": {"timeout_s": 3.0},
         "supervisor": {"ready_timeout_s": 60.0, "stop_timeout_s": 15.0,
                        "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0,

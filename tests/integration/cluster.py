@@ -43,6 +43,7 @@ class Cluster:
         self.layout = KVLayout.blocks_outer(num_blocks=gpu_blocks, **LAYOUT)
         self.kv: list[Any] = []
         self.clients: list[Client] = []
+        self.registration_tokens: dict[int, str] = {}
 
     def start(self) -> Cluster:
         from tierkv.engine import allocate_kv_cache
@@ -53,7 +54,7 @@ class Cluster:
             for rank in range(self.config.cpu.world_size):
                 kv = allocate_kv_cache(self.config.instance, rank, self.layout)
                 self.kv.append(kv)
-                c.register_kv(rank, kv.registration())
+                self.registration_tokens[rank] = c.register_kv(rank, kv.registration())["token"]
         except BaseException:
             self.stop()
             raise

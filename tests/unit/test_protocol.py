@@ -20,6 +20,7 @@ from tierkv.wire.protocol import (
     BatchResult,
     Bye,
     ErrorInfo,
+    EventBatch,
     FinishRequest,
     Heartbeat,
     Inventory,
@@ -85,6 +86,7 @@ EXAMPLES = [
     TierJobBatch([Job(1, tuple(K), (1, 2), JobKind.PROMOTION, "r")], [3.0]),
     TierDoneBatch([JobResult(1, False, (K[0],), 10, 0.1, ErrorCode.CORRUPT, "bad", (K[1],))], 2),
     TierStats({"blocks": 3, "breaker": "closed"}),
+    EventBatch(1, 7, [OffloadEvent("stored", tuple(K), "cpu")]),
 ]
 
 

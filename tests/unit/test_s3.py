@@ -97,7 +97,7 @@ def test_breaker_opens_after_failures_and_closes_after_a_good_trial():
     breaker.success()
     assert breaker.state == "closed" and breaker.allow()
     assert breaker.stats() == {"breaker": "closed", "breaker_opens": 2,
-                               "consecutive_failures": 0}
+                               "consecutive_failures": 0, "breaker_retry_in_s": 0.0}
 
 
 def test_block_body_streams_both_parts_without_copying():

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierkv.core.shm import region_name, remove_stale_region
+from tierkv.node.children import TOKEN_ENV, ChildRegistry
 from tierkv.node.config import Config, dump_config, tier_name
 from tierkv.node.lifecycle import (
     Child,
@@ -58,6 +59,7 @@ class Node:
         self.config_path = ensure_run_dir(config.run_path) / "node.toml"
         self.s3: Any = None  # the embedded S3 endpoint, when a tier asks for one
         self._child_env: dict[str, str] = {}
+        self.registry = ChildRegistry(config.run_path)  # what the broker may fence
 
     # -- what runs -------------------------------------------------------------------
 
@@ -117,8 +119,14 @@ class Node:
             log.info("%s ready (pid %d)", child.name, child.pid)
 
     def spawn(self, spec: ChildSpec) -> Child:
-        child = spawn(spec.name, spec.argv, env=child_environment(self._child_env),
+        previous = self.children.get(spec.name)
+        if previous is not None:
+            self.registry.remove_pid(previous.pid)
+        token = ChildRegistry.new_token()
+        env = child_environment({**self._child_env, TOKEN_ENV: token})
+        child = spawn(spec.name, spec.argv, env=env,
                       log_lines=self.config.supervisor.log_lines, echo=self.echo)
+        self.registry.add(token, spec.name, child.pid)
         self.children[spec.name] = child
         return child
 
@@ -138,6 +146,7 @@ class Node:
         for child in others:
             codes[child.name] = stop(child, max(0.1, deadline - time.monotonic()))
         self.children.clear()
+        self.registry.clear()
         if self.s3 is not None:
             self.s3.stop()
             self.s3 = None

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 
 from tierkv.core.errors import ErrorCode
+from tierkv.core.loglimit import foreign
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
@@ -88,7 +89,7 @@ def decode(data: bytes, allowed: frozenset[str] | None = None) -> Message:
             max_str_len=MAX_MESSAGE_BYTES, max_array_len=MAX_LIST, max_map_len=MAX_LIST,
         )
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"not a msgpack message ({type(e).__name__}: {e})") from e
+        raise ProtocolError(f"not a msgpack message ({type(e).__name__}: {foreign(str(e))})") from e
     return decode_map(obj, allowed)
 
 
@@ -98,15 +99,34 @@ def decode_map(obj: Any, allowed: frozenset[str] | None = None) -> Message:
     version = obj.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {version!r}, this side speaks version {PROTOCOL_VERSION}"
+            f"protocol version {foreign(repr(version), 40)}, this side speaks version "
+            f"{PROTOCOL_VERSION}"
         )
     op = obj.get("op")
     cls = _MESSAGES.get(op) if isinstance(op, str) else None
     if cls is None or (allowed is not None and op not in allowed):
-        raise ProtocolError(f"unknown op {op!r}")
+        raise ProtocolError(f"unknown op {foreign(repr(op), 40)}")
     msg = _from_wire(cls, obj, str(op))
     msg.check()
     return msg
+
+
+def check_tree(value: Any, where: str, max_depth: int, max_nodes: int) -> None:
+    """Free-form maps (a registration, a tier's stats) are bounded before anything
+    walks them recursively: nested deeper than `max_depth` or holding more than
+    `max_nodes` values is a ProtocolError (checked iteratively)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    nodes = 0
+    while stack:
+        item, depth = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            raise ProtocolError(f"{where}: more than {max_nodes} values")
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise ProtocolError(f"{where}: nested deeper than {max_depth}")
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                   else item))
 
 
 def peek_id(data: bytes) -> int | None:
@@ -189,7 +209,7 @@ def _checker(tp: Any) -> Checker:  # noqa: C901 - one branch per supported type
 
         def check_literal(v: Any, where: str) -> Any:
             if v not in choices or type(v) is not type(choices[0]):
-                raise ProtocolError(f"{where}: {v!r} is not one of {choices}")
+                raise ProtocolError(f"{where}: {foreign(repr(v), 40)} is not one of {choices}")
             return v
 
         return check_literal
@@ -230,7 +250,8 @@ def _checker(tp: Any) -> Checker:  # noqa: C901 - one branch per supported type
             try:
                 return tp(v)
             except ValueError:
-                raise ProtocolError(f"{where}: {v!r} is not a valid {tp.__name__}") from None
+                raise ProtocolError(
+                    f"{where}: {foreign(repr(v), 40)} is not a valid {tp.__name__}") from None
 
         return check_enum
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):

@@ -19,6 +19,7 @@ from tierkv.wire.codec import (
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
+    check_tree,
     decode,
     decode_map,
     encode,
@@ -48,6 +49,12 @@ def _check_co_indexed(msg: Any) -> None:
         )
     if any(b < 0 for b in msg.gpu_block_ids):
         raise ProtocolError(f"{msg.op}: negative gpu block id")
+
+
+# A real registration is 4 deep (layout -> tensor_shapes -> shape -> dim); a layout
+# of thousands of tensors has tens of thousands of values.
+REGISTRATION_DEPTH = 8
+REGISTRATION_NODES = 100_000
 
 
 # -- shared records ---------------------------------------------------------------------
@@ -195,6 +202,13 @@ class RegisterKVRequest(Message):
     id: int
     rank: int
     registration: dict[str, Any]
+    # The token a registration of this rank returned: lets another client (the
+    # same engine after a reconnect) replace it. See `broker.registrations`.
+    token: str = ""
+
+    def check(self) -> None:
+        check_tree(self.registration, "kv_register.registration", REGISTRATION_DEPTH,
+                   REGISTRATION_NODES)
 
 
 BATCHABLE_OPS = frozenset({"lookup", "store", "load", "touch", "finish", "step", "poll"})
@@ -276,6 +290,13 @@ class WorkerHello(Message):
     # The engine registration this worker already has attached (it survives a
     # broker restart), so the broker can re-attach it to a future worker.
     registration: dict[str, Any] | None = None
+    # The token the supervisor gave this process: what lets the broker fence it.
+    token: str = ""
+
+    def check(self) -> None:
+        if self.registration is not None:
+            check_tree(self.registration, "worker_hello.registration", REGISTRATION_DEPTH,
+                       REGISTRATION_NODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +362,7 @@ class TierHello(Message):
     capacity_bytes: int | None = None
     namespace: str = ""
     inventory_total: int = 0  # keys that follow in Inventory messages
+    token: str = ""  # the token the supervisor gave this process (see WorkerHello)
 
 
 @message("inventory")
@@ -369,6 +391,9 @@ class TierStats(Message):
     """The backend's own figures (blocks, bytes, breaker state), about once a second."""
 
     stats: dict[str, Any]
+
+    def check(self) -> None:
+        check_tree(self.stats, "tier_stats.stats", 4, 1000)
 
 
 @message("tier_done")
