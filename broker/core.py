@@ -334,6 +334,9 @@ class BrokerCore:
 
     def _worker_hello(self, identity: bytes, hello: WorkerHello, now: float) -> None:
         ws = self.config.cpu.world_size
+        if hello.pid <= 0:
+            self._refuse("worker", identity, f"pid {hello.pid} is not a process")
+            return
         if hello.world_size != ws or not 0 <= hello.rank < ws:
             self._refuse("worker", identity, f"rank {hello.rank} of world size "
                          f"{hello.world_size} does not fit this broker (world size {ws})")
@@ -394,6 +397,9 @@ class BrokerCore:
             self.counters["protocol_errors"] += 1
 
     def _tier_hello(self, identity: bytes, hello: TierHello, now: float) -> None:
+        if hello.pid <= 0:
+            self._refuse("tier", identity, f"pid {hello.pid} is not a process")
+            return
         tier = self.remote_tiers.get(hello.tier)
         if tier is None:
             self._refuse("tier", identity, f"tier {hello.tier!r} is not configured "

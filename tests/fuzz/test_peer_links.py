@@ -36,6 +36,7 @@ from tierkv.wire.protocol import (
 )
 
 TRIED = {"worker": 0, "tier": 0}
+NO_PROCESS = 1 << 23  # above Linux's highest pid_max: never a process
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_forged_and_malformed_worker_messages(node):
     c = node.clients[0]
     peer = FakePeer(node.config.connect_address("worker"), "fuzz1")
     try:
-        peer.send(encode(WorkerHello(1, 2, 0, 0, "cpu", {"fake": True})))
+        peer.send(encode(WorkerHello(1, 2, NO_PROCESS, 0, "cpu", {"fake": True})))
         assert any(isinstance(m, Welcome) for m in peer.replies(2000))
         stores = seen = 0
         for round_ in range(6):
@@ -181,7 +182,7 @@ def test_forged_and_malformed_worker_messages(node):
 def test_fuzzed_tier_messages_never_break_the_broker(node, payloads):
     peer = FakePeer(node.config.connect_address("tier"), "fuzztier")
     try:
-        peer.send(encode(TierHello("mem", "memory", 0, namespace=node.config.namespace)))
+        peer.send(encode(TierHello("mem", "memory", NO_PROCESS, namespace=node.config.namespace)))
         peer.send(encode(Inventory([b"ghost-key"], True)))
         peer.send(encode(Ready(4)))
         for payload in payloads:

@@ -88,6 +88,7 @@ class Child:
     started_at: float
     log_lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
     ready: bool = False
+    bytes_logged: int = 0  # everything the child wrote so far
     ready_detail: str = ""
     _reader: threading.Thread | None = None
 
@@ -145,6 +146,7 @@ def spawn(
 def _pump(child: Child, echo: bool) -> None:
     assert child.proc.stdout is not None
     for raw in child.proc.stdout:
+        child.bytes_logged += len(raw)
         line = raw.decode(errors="replace").rstrip("\n")
         child.log_lines.append(line)
         if echo:
