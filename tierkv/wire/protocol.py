@@ -264,6 +264,8 @@ class WorkerHello(Message):
     # The engine registration this worker already has attached (it survives a
     # broker restart), so the broker can re-attach it to a future worker.
     registration: dict[str, Any] | None = None
+    # CUDA workers: whether the CPU tier is pinned for DMA (None: a CPU worker).
+    pinned: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

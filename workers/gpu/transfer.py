@@ -161,13 +161,23 @@ class TransferEngine:
         if self.device != "auto" and self.device.split(":")[0] != kind:
             raise TransferError(f"this engine copies for {self.device}, the KV cache is on {kind}")
         old = self._backend
-        if old is not None and (old.kind != kind or getattr(old, "device", None)
-                                not in (None, kv.device)):
-            old.attach(None)
-            self._drain_backend()
-        if self._backend is None:
-            self._backend = self._make_backend(kind, kv)
-        self._backend.attach(kv)
+        if old is None or old.kind != kind or getattr(old, "device", None) not in (
+                None, kv.device):
+            # A new backend is made and attached before the old one is let go: if
+            # that fails, the KV cache that works stays attached.
+            new = self._make_backend(kind, kv)
+            try:
+                new.attach(kv)
+            except BaseException:
+                new.close()
+                self._early.extend(new.poll())
+                raise
+            if old is not None:
+                old.attach(None)
+                self._drain_backend()
+            self._backend = new
+        else:
+            old.attach(kv)
         self._kv = kv
         # The backend waited for every job in flight: nothing holds a block any more.
         self._use = BlockUse(kv.layout.num_blocks)
