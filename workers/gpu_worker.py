@@ -159,6 +159,7 @@ class WorkerService(PeerService):
                 raise
         except Exception as e:  # any failure is the engine's to read, not a crash here
             log.error("cannot attach the KV cache of rank %d: %s", self.rank, e)
+            self._clear_cuda_error()
             return AttachedKV(msg.reg_id, False, error=str(e))
         if self.cuda_index is not None and kv.device.index not in (None, self.cuda_index):
             log.warning("rank %d works on cuda:%d but the engine's KV cache is on %s: a "
@@ -168,6 +169,16 @@ class WorkerService(PeerService):
         self.kv, self.registration = kv, msg.registration
         log.info("rank %d attached the KV cache (page %d bytes)", self.rank, kv.layout.page_size)
         return AttachedKV(msg.reg_id, True, page_size=kv.layout.page_size)
+
+    def _clear_cuda_error(self) -> None:
+        """A failed open or pin may leave CUDA's "last error" set; torch would blame
+        the next kernel launch for it. The KV cache that works stays attached."""
+        if self.cuda_index is not None:
+            from workers.gpu.cudart import cuda_runtime
+
+            runtime = cuda_runtime()
+            if runtime is not None:
+                runtime.clear_error()
 
     def end_session(self, region: SharedRegion) -> None:
         if self.engine is not None:
