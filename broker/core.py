@@ -355,7 +355,7 @@ class BrokerCore:
                             else "replaced by a new worker", fence_it=False)
         peer = Peer(identity, "worker", f"rank{hello.rank}", hello.pid, hello.start_time,
                     connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token,
-                    extra={"rank": hello.rank, "device": hello.device,
+                    extra={"rank": hello.rank, "device": hello.device, "pinned": hello.pinned,
                            "kv_attached": hello.registration is not None})
         self.peers.add(peer)
         self._workers[hello.rank] = peer
@@ -579,8 +579,8 @@ class BrokerCore:
             "peers": [
                 {"kind": p.kind, "name": p.name, "pid": p.pid, "state": p.state.value,
                  "uptime_s": now - p.connected_at, "silent_s": now - p.last_seen,
-                 **({"kv_attached": bool(p.extra.get("kv_attached"))}
-                    if p.kind == "worker" else {})}
+                 **({"kv_attached": bool(p.extra.get("kv_attached")),
+                     "pinned": p.extra.get("pinned")} if p.kind == "worker" else {})}
                 for p in self.peers.peers.values()
             ],
             **self.manager.stats(),

@@ -1,6 +1,8 @@
-"""The CUDA backend on a real GPU: bit-exact round trips for both layouts, two ranks
-sharing one region, and two real worker processes opening the engine's KV cache by
-CUDA IPC handle. Skipped without CUDA."""
+"""The CUDA backend on a real GPU: bit-exact round trips for both layouts and odd
+sizes by every DMA path, two ranks sharing one region, two real worker processes
+opening the engine's KV cache by CUDA IPC handle, forced registration failures
+followed by a kernel launch, and the IPC reference counts across a worker restart.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ LAYOUTS = {
     "per_layer": lambda: KVLayout.per_layer(4, NUM_BLOCKS, 16, 2, 64, "bfloat16"),
     # a 6 KiB slice per block: rows padded to 8 KiB even with one rank (strided DMA)
     "blocks_outer": lambda: KVLayout.blocks_outer(NUM_BLOCKS, 3, 4, 2, 64, "float16"),
+    # 15-byte pieces: byte words, a 90-byte page
+    "odd": lambda: KVLayout.per_layer(3, NUM_BLOCKS, 3, 1, 5, "int8"),
 }
 
 
@@ -77,12 +81,11 @@ def job_ids(seed: int) -> tuple[list[int], list[int], list[int]]:
     return gpu, cpu, target
 
 
-@pytest.mark.parametrize("no_2d", [False, True])
+@pytest.mark.parametrize("dma", ["batch", "2d", "copy"])
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_round_trip_in_process(instance, monkeypatch, kind, world_size, no_2d):
-    if no_2d:
-        monkeypatch.setenv("TIERKV_CUDA_NO_MEMCPY2D", "1")
+def test_round_trip_in_process(instance, monkeypatch, kind, world_size, dma):
+    monkeypatch.setenv("TIERKV_CUDA_DMA", dma)  # granted only if the runtime has it
     layout = LAYOUTS[kind]()
     gpu, cpu, target = job_ids(world_size)
     with SharedRegion.create(instance, CPU_BLOCKS, layout.page_size, world_size) as region:
@@ -188,3 +191,97 @@ def test_two_worker_processes_share_one_region(instance, tmp_path, kind):
         assert (region.numpy()[:, 2 * layout.page_size:] == 0xAB).all()
         for cache in caches:
             cache.close()
+
+
+# -- failures that must leave the device usable ------------------------------------------------
+
+
+def launch_a_kernel() -> None:
+    """torch checks CUDA's last error after each launch: a stale one would raise here."""
+    x = torch.ones(1024, device="cuda")
+    assert float((x * 2).sum().item()) == 2048.0
+
+
+def test_a_failed_pin_is_cleared_before_the_next_kernel():
+    from workers.gpu.pinning import is_pinned, pin_host, unpin_host
+
+    buf = np.zeros(3 << 20, dtype=np.uint8)
+    base = buf.ctypes.data
+    assert pin_host(base, buf.nbytes).pinned
+    inner = pin_host(base + (1 << 20), 1 << 20)  # already registered: CUDA refuses
+    assert not inner.pinned and "cudaError" in inner.error
+    launch_a_kernel()
+    assert is_pinned(base) and is_pinned(base + (1 << 20)) is False
+    unpin_host(base + (1 << 20))
+    unpin_host(base)
+    launch_a_kernel()
+
+
+def test_a_bad_ipc_handle_fails_registration_cleanly(instance):
+    from tierkv.engine import KVCacheError, open_kv_cache
+
+    layout = LAYOUTS["per_layer"]()
+    cache = KVCache.from_tensors(cuda_kv(layout, 0), layout)
+    registration = cache.registration()
+    bad = {**registration, "storages": [
+        {**registration["storages"][0], "handle": bytes(len(registration["storages"][0]
+                                                             ["handle"]))}]}
+    script = textwrap.dedent("""
+        import sys, msgpack, torch
+        from tierkv.engine import KVCacheError, open_kv_cache
+        try:
+            open_kv_cache(msgpack.unpackb(sys.stdin.buffer.read(), raw=False))
+        except KVCacheError as e:
+            print("refused:", e)
+        x = torch.ones(8, device="cuda")
+        print("kernel", float(x.sum().item()))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], input=msgpack.packb(
+        bad, use_bin_type=True), capture_output=True, timeout=120)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    assert "refused: cannot open the CUDA IPC handle" in out and "kernel 8.0" in out
+    with pytest.raises(KVCacheError, match="another process than the engine"):
+        open_kv_cache(registration)  # the exporter itself cannot open its handle
+    launch_a_kernel()
+    cache.close()
+
+
+COUNT_CHILD = """
+import sys, msgpack
+from tierkv.engine import open_kv_cache
+from tierkv.engine.ipc import read_counter
+registration = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+storage = registration["storages"][0]
+kv = open_kv_cache(registration)
+print(read_counter(storage["ref_counter"], storage["ref_counter_offset"]))
+kv.close()
+del kv
+import gc; gc.collect()
+print(read_counter(storage["ref_counter"], storage["ref_counter_offset"]))
+"""
+
+
+def test_reference_counts_stay_balanced_across_worker_restarts():
+    """The same registration opened by a worker, then by its restarted successor:
+    each holds one reference while open and gives it back; the engine's own goes
+    when it closes its KVCache."""
+    from tierkv.engine import KVCacheError
+    from tierkv.engine.ipc import read_counter
+
+    layout = LAYOUTS["per_layer"]()
+    cache = KVCache.from_tensors(cuda_kv(layout, 0), layout)
+    storage = cache.registration()["storages"][0]
+    handle, offset = storage["ref_counter"], storage["ref_counter_offset"]
+    assert read_counter(handle, offset) == 1
+    for _ in range(2):  # a worker, then the restarted one, get the same registration
+        done = subprocess.run([sys.executable, "-c", COUNT_CHILD], input=msgpack.packb(
+            cache.registration(), use_bin_type=True), capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()
+        assert done.stdout.decode().split() == ["2", "1"]
+        assert read_counter(handle, offset) == 1
+    cache.close()
+    try:  # the engine gave its reference back (or torch already dropped the whole file)
+        assert read_counter(handle, offset) == 0
+    except KVCacheError as e:
+        assert "is gone" in str(e)

@@ -290,3 +290,67 @@ def test_allocate_refuses_bad_names():
         allocate_kv_cache("a/b", 0, small_per_layer())
     with pytest.raises(KVCacheError, match="rank"):
         allocate_kv_cache("tok", -1, small_per_layer())
+
+
+# -- CUDA IPC bookkeeping: the exporter's counters, and allocators that cannot export --------
+
+
+@pytest.fixture
+def torch_counter_file():
+    """A shared-memory file made by torch's own RefcountedMapAllocator, the allocator
+    of torch's CUDA IPC counter files: 16 int64 counters, counter 3 set to 1."""
+    storage = torch.UntypedStorage._new_using_filename_cpu(8 * 16)
+    handle = storage._share_filename_cpu_()[1]
+    counters = torch.empty(0, dtype=torch.uint8).set_(storage).view(torch.int64)
+    counters[3] = 1  # what _share_cuda_ sets for one export
+    yield {"ref_counter": handle, "ref_counter_offset": 3}, counters
+    del counters, storage
+
+
+def test_counter_layout_is_torchs_and_each_holder_balances(torch_counter_file):
+    from tierkv.engine.ipc import drop_reference, read_counter, take_reference
+
+    entry, counters = torch_counter_file
+    take_reference(entry)  # a worker opens the registration
+    assert int(counters[3]) == 2 and read_counter(entry["ref_counter"], 3) == 2
+    drop_reference(entry)  # its storage is freed (torch's deleter)
+    take_reference(entry)  # a restarted worker opens the same registration again
+    drop_reference(entry)
+    assert int(counters[3]) == 1  # the export's own reference is still there
+    drop_reference(entry)  # the engine closes its KVCache
+    assert int(counters[3]) == 0 and int(counters[2]) == int(counters[4]) == 0
+
+
+def test_counter_refuses_what_is_not_a_counter(torch_counter_file):
+    from tierkv.engine.ipc import adjust_counter, drop_reference, take_reference
+
+    entry, counters = torch_counter_file
+    with pytest.raises(KVCacheError, match="outside"):
+        adjust_counter(entry["ref_counter"], 16, 1)
+    counters[5] = -7
+    with pytest.raises(KVCacheError, match="not a reference count"):
+        adjust_counter(entry["ref_counter"], 5, 1)
+    with pytest.raises(KVCacheError, match="not a reference count"):
+        adjust_counter(entry["ref_counter"], 6, -1)  # 0 cannot go below 0
+    gone = {"ref_counter": b"/torch_0_0_gone", "ref_counter_offset": 0}
+    with pytest.raises(KVCacheError, match="is gone"):
+        take_reference(gone)
+    drop_reference(gone)  # the engine exited: nothing to give back, no error
+
+
+@pytest.mark.parametrize("settings,error,handle,names", [
+    ("PYTORCH_CUDA_ALLOC_CONF='backend:cudaMallocAsync'", "not supported", b"",
+     "backend:cudaMallocAsync"),
+    ("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'", "invalid argument", b"",
+     "expandable_segments:True"),
+    ("default allocator settings", "cuMemImportFromShareableHandle failed", b"\x02e",
+     "expandable_segments:True"),
+    ("allocator backend native", "CUDAPluggableAllocator does not yet support shareIpcHandle",
+     b"", "enable_sleep_mode=True"),
+    ("allocator backend native", "invalid device pointer", b"", "native caching allocator"),
+])
+def test_export_failures_name_the_allocator_setting(settings, error, handle, names):
+    from tierkv.engine.ipc import export_failure
+
+    message = export_failure(RuntimeError(error), settings, handle)
+    assert names in message and error in message and settings in message

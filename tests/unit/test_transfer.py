@@ -1,10 +1,11 @@
 """The transfer engine on CPU: real shared memory for the KV cache and the CPU tier,
-one engine per rank; and the CUDA backend's planning logic on CPU stand-ins."""
+one engine per rank; the engine contract it checks. (The CUDA backend's logic on
+CPU is in test_cuda_logic.py.)"""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -338,88 +339,56 @@ def test_random_jobs_match_a_numpy_model(kind, world_size, jobs):
             assert actual == [kv_model[r][g].tobytes() for g in range(NUM_BLOCKS)]
 
 
-# -- the CUDA backend's logic, with CPU stand-ins for streams, events and DMA ---------------
-
-
-class _FakeStream:
-    cuda_stream = 0
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.recorded = False
-
-    def record(self, stream: object = None) -> None:
-        self.recorded = True
-
-    def query(self) -> bool:
-        return self.recorded
-
-    def elapsed_time(self, other: _FakeEvent) -> float:
-        return 0.5
-
-
-def _fake_memcpy2d(dst, dpitch, src, spitch, width, height, stream):  # noqa: ANN001
-    for row in range(height):
-        ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+# -- the engine contract: a load never overwrites what a store in flight reads ---------------
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    """Run CudaBackend on CPU tensors: every CUDA call it makes becomes a no-op or a
-    host memmove, so the gather / DMA-run / scatter planning is checked here."""
-    import workers.gpu.copy_cuda as tc
+def gated_copies(monkeypatch):
+    """CPU copies wait for the gate: jobs stay in flight until the test opens it."""
+    gate = threading.Event()
+    real = transfer_cpu.copy_blocks
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(tc, "pin_host", lambda ptr, size: True)
-    monkeypatch.setattr(tc, "unpin_host", lambda ptr: None)
-    monkeypatch.setattr(tc, "cuda_runtime", lambda: object())
-    monkeypatch.setattr(tc, "memcpy2d_async", _fake_memcpy2d)
-    return tc
+    def gated(*args, **kwargs):
+        assert gate.wait(30), "the test never opened the gate"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transfer_cpu, "copy_blocks", gated)
+    return gate
 
 
-@pytest.mark.parametrize("no_2d", [False, True])
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_cuda_backend_plan_on_cpu(instance, fake_cuda, monkeypatch, kind, world_size, no_2d):
-    if no_2d:
-        monkeypatch.setenv("TIERKV_CUDA_NO_MEMCPY2D", "1")
-    layout = LAYOUTS[kind]()
-    # a 4 KiB page makes world_size 1 rows contiguous (one plain copy per run)
-    if world_size == 1 and kind == "per_layer":
-        layout = KVLayout.per_layer(4, NUM_BLOCKS, 4, 4, 8, "float16")
-    rng = np.random.default_rng(world_size)
-    with SharedRegion.create(instance, CPU_BLOCKS, layout.page_size, world_size) as region:
-        region.numpy()[:] = 0xAB
-        for r in range(world_size):
-            tensors = [torch.empty(s, dtype=layout.torch_dtype()) for s in layout.tensor_shapes]
-            kv = OpenedKV.local(tensors, layout)
-            fill_random(kv, seed=r)
-            staging = 5 * layout.page_size  # chunks of 5 blocks: several per job
-            backend = fake_cuda.CudaBackend(region, r, staging_bytes=staging)
-            backend.attach(kv)
-            gpu = rng.permutation(NUM_BLOCKS)[:13].tolist()
-            cpu = [2, 3, 4, 5, 6, 7, 0, 11, 10, 9, 15, 19, 18]
-            want = [page_of(kv, g) for g in gpu]
-            backend.submit(TransferJob(1, "store", gpu, cpu), np.array(gpu), np.array(cpu))
-            assert [o.success for o in backend.poll()] == [True]
-            assert [bytes(region.page(c, r)) for c in cpu] == want
-            if r == 0 and world_size == 2:
-                assert (region.numpy_pages(1) == 0xAB).all()
-            zero_blocks(kv, list(range(NUM_BLOCKS)))
-            target = rng.permutation(NUM_BLOCKS)[:13].tolist()
-            backend.submit(TransferJob(2, "load", target, cpu), np.array(target), np.array(cpu))
-            (out,) = backend.poll()
-            assert out.success and out.seconds == 0.0005
-            assert [page_of(kv, g) for g in target] == want
-            backend.close()
-        assert (region.numpy()[:, world_size * layout.page_size:] == 0xAB).all()
+def test_load_into_a_block_a_store_in_flight_reads_is_refused(instance, gated_copies):
+    with ranks(instance, LAYOUTS["per_layer"](), 1) as (region, (rank,)):
+        e = rank.engine
+        fill_random(rank.kv, seed=3)
+        region.numpy()[:] = 0x5A
+        before = page_of(rank.kv, 3)
+        e.submit(TransferJob(1, "store", [3, 4], [0, 1]))
+        e.submit(TransferJob(2, "load", [9, 3], [2, 3]))  # block 3: still being read
+        e.submit(TransferJob(3, "load", [7], [4]))  # unrelated: accepted
+        refused = e.poll()
+        assert [(o.job_id, o.success, o.error_code) for o in refused] == [
+            (2, False, "bad_request")]
+        assert "GPU block 3" in refused[0].error and "store in flight" in refused[0].error
+        gated_copies.set()
+        out = {o.job_id: o for o in e.wait()}
+        assert out[1].success and out[3].success
+        assert page_of(rank.kv, 3) == before  # job 2 copied nothing
+        assert page_of(rank.kv, 9) != bytes(region.page(2))
+        # the store finished: the engine may now load into block 3
+        assert run(e, TransferJob(4, "load", [3], [2]))[4].success
+        assert page_of(rank.kv, 3) == bytes(region.page(2))
+
+
+def test_store_of_a_block_a_load_in_flight_writes_is_refused(instance, gated_copies):
+    with ranks(instance, LAYOUTS["blocks_outer"](), 1) as (region, (rank,)):
+        e = rank.engine
+        e.submit(TransferJob(1, "load", [5], [0]))
+        e.submit(TransferJob(2, "store", [5, 6], [1, 2]))
+        e.submit(TransferJob(3, "store", [6], [3]))  # reads 6: no load writes it
+        (refused,) = e.poll()
+        assert (refused.job_id, refused.error_code) == (2, "bad_request")
+        assert "load in flight" in refused.error
+        gated_copies.set()
+        assert all(o.success for o in e.wait())
+        assert not region.numpy()[1:3].any()  # job 2 stored nothing
+        assert run(e, TransferJob(4, "store", [5], [1]))[4].success

@@ -7,6 +7,20 @@ worker, opening what was exported (`opened`).
                                 num_kv_heads=4, head_dim=64, dtype="float16")
     with allocate_kv_cache("mynode", rank=0, layout=layout) as kv:
         client.register_kv(0, kv.registration())
+
+The engine contract (what a worker's copies rely on; `workers.gpu.transfer` checks
+what it can):
+
+* CUDA KV caches come from torch's native caching allocator and stay alive until
+  the engine closes its `KVCache` (memory of cudaMallocAsync, expandable segments or
+  a pluggable / sleep-mode pool cannot be exported: registration fails naming the
+  setting).
+* Load only into GPU blocks allocated for the request and not yet computed, and
+  read them only after the client saw the load finish.
+* Store only blocks whose engine step finished on the host; do not overwrite or
+  free them before the client saw the store finish.
+* A load into a block that a store in flight still reads, or a store of a block a
+  load in flight is still writing, is refused (``bad_request``).
 """
 
 from tierkv.engine.kvcache import KVCache, allocate_kv_cache

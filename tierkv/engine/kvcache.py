@@ -4,7 +4,11 @@ An inference engine owns its KV cache tensors. To let a gpu worker (another proc
 copy blocks between them and the CPU tier, the engine exports them once:
 
 * CUDA tensors by CUDA IPC handle (`KVCache.from_tensors`); the engine keeps the
-  tensors alive for as long as the registration is in use.
+  tensors alive for as long as the registration is in use, and closes the `KVCache`
+  when it lets them go (that gives back the export's reference, `tierkv.engine.ipc`).
+  Memory that cannot be exported (cudaMallocAsync, expandable segments, a pluggable
+  allocator such as vLLM's sleep mode) fails with a `KVCacheError` naming the
+  allocator setting.
 * CPU tensors live in POSIX shared memory that this module allocates
   (`allocate_kv_cache`); CPU tensors anywhere else cannot be shared and are refused.
 
@@ -113,6 +117,11 @@ class KVCache:
             return
         self._closed = True
         self.tensors = []
+        if self._keep is not None:  # CUDA: the export's own reference on each storage
+            from tierkv.engine.ipc import drop_reference
+
+            for storage in self._registration.get("storages", []):
+                drop_reference(storage)
         self._keep = None
         if self.segment is not None:
             with _LIVE_LOCK:
@@ -226,6 +235,11 @@ def _export_cuda(
     """IPC-export each distinct storage once (tensors may be views of one buffer)."""
     import torch
 
+    from tierkv.engine.ipc import allocator_settings, export_failure
+
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        raise KVCacheError(export_failure("the cudaMallocAsync backend is in use",
+                                          allocator_settings()))
     storages: list[dict[str, Any]] = []
     index: dict[int, int] = {}
     keep = []
@@ -234,8 +248,11 @@ def _export_cuda(
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in index:
-            (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-             event_sync) = storage._share_cuda_()
+            try:
+                (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+                 event_sync) = storage._share_cuda_()
+            except RuntimeError as e:
+                raise KVCacheError(export_failure(e, allocator_settings())) from e
             index[key] = len(storages)
             storages.append({
                 "device_index": int(device),

@@ -14,6 +14,12 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tierkv.engine.ipc import (
+    allocator_settings,
+    drop_reference,
+    export_failure,
+    take_reference,
+)
 from tierkv.engine.layout import (
     REGISTRATION_VERSION,
     KVCacheError,
@@ -197,6 +203,7 @@ def _open_cuda(storages: Any, specs: list[TensorSpec], layout: KVLayout) -> list
         if bad:
             raise KVCacheError(f"storages[{j}]: missing or mistyped fields {bad}")
         device = _local_device(s["device_index"], s["device_uuid"])
+        take_reference(s)  # torch's deleter gives it back (tierkv.engine.ipc)
         try:
             with torch.cuda.device(device):
                 storage = torch.UntypedStorage._new_shared_cuda(
@@ -208,9 +215,11 @@ def _open_cuda(storages: Any, specs: list[TensorSpec], layout: KVLayout) -> list
                 # wait on the host too, so the worker's own streams start after it.
                 torch.cuda.current_stream(device).synchronize()
         except RuntimeError as e:
+            drop_reference(s)
             raise KVCacheError(
-                f"cannot open the CUDA IPC handle of storages[{j}] on cuda:{device} "
-                f"(is the engine alive, and is this another process than the engine?): {e}"
+                f"cannot open the CUDA IPC handle of storages[{j}] on cuda:{device} (is the "
+                "engine alive, and is this another process than the engine?): "
+                f"{export_failure(e, allocator_settings(), s['handle'])}"
             ) from e
         opened.append((device, storage))
     tensors = []

@@ -79,6 +79,11 @@ class WorkerConfig:
 
 
 @dataclass
+class GpuConfig:
+    allow_unpinned: bool = False  # run CUDA copies from an unpinned CPU tier (synchronous, slow)
+
+
+@dataclass
 class ClientConfig:
     timeout_s: float = 10.0  # every client call waits at most this long
     # CurveZMQ for clients, workers and tiers: their own secret key file and the
@@ -114,6 +119,7 @@ class Config:
     cpu: CpuConfig = field(default_factory=CpuConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     tiers: list[dict[str, Any]] = field(default_factory=list)

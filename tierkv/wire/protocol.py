@@ -290,6 +290,8 @@ class WorkerHello(Message):
     # The engine registration this worker already has attached (it survives a
     # broker restart), so the broker can re-attach it to a future worker.
     registration: dict[str, Any] | None = None
+    # CUDA workers: whether the CPU tier is pinned for DMA (None: a CPU worker).
+    pinned: bool | None = None
     # The token the supervisor gave this process: what lets the broker fence it.
     token: str = ""
 

@@ -30,13 +30,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierkv.core.errors import ErrorCode
 from tierkv.wire.protocol import TransferJob, TransferOutcome
-from tierkv.wire.wakeup import Wakeup
 from workers.gpu.jobs import JobError, check_deadline, failed, runs
 
 if TYPE_CHECKING:
@@ -59,11 +59,13 @@ class CpuBackend:
     thread and only touch queues under a lock."""
 
     kind = "cpu"
+    device = None  # follows any CPU KV cache
 
-    def __init__(self, region: SharedRegion, rank: int, wakeup: Wakeup | None = None) -> None:
+    def __init__(self, region: SharedRegion, rank: int,
+                 notify: Callable[[], None] = lambda: None) -> None:
         self._region = region
         self._rank = rank
-        self._wakeup = wakeup
+        self._notify = notify  # called on the copy thread each time a job finished
         self._views: _Views | None = None
         self._queues: dict[str, deque[tuple[TransferJob, np.ndarray, np.ndarray]]] = {
             "load": deque(), "store": deque(),
@@ -134,8 +136,7 @@ class CpuBackend:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-                if self._wakeup is not None:
-                    self._wakeup.notify()
+                self._notify()
 
     def _execute(
         self,

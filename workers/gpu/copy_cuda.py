@@ -1,53 +1,48 @@
-"""CUDA backend of the transfer engine (issue 5): KV cache on the GPU, CPU tier in
-pinned shared memory.
+"""CUDA backend of the transfer engine: KV cache on the GPU, CPU tier in pinned
+shared memory.
 
 Design, and why:
 
-* The region's data area is registered with ``cudaHostRegister`` once per process
-  (reference counted, so several engines of one process can share a mapping), so a
-  copy to or from it is real DMA that does not block the host. If registration
-  fails, one warning is logged and copies still work, synchronously, through
-  CUDA's pageable staging.
-* Each direction has its own CUDA stream (stores: device -> host, loads: host ->
-  device), so jobs of a direction run in submission order and a load never waits
-  behind a store; the two DMA directions use separate copy engines.
-* A job is a few large DMA transfers, not one per layer and block: on the stream,
-  the blocks' pieces (one per tensor and K/V) are gathered with ``index_select``
-  into a device staging buffer laid out exactly like the CPU-tier pages (block
-  after block), and each run of consecutive CPU block ids is then one DMA transfer
-  from staging into the pinned rows. Loads do the reverse (DMA into staging, then
-  ``index_copy_``). The job's pairs are sorted by CPU id first so runs are as long
-  as the ids allow; the staging buffer (``staging_bytes`` per direction) bounds a
-  chunk, and the stream orders the reuse of the buffer between chunks and jobs.
-* When this rank's page is not the whole row (world_size > 1, or a page that is not
-  a multiple of 4 KiB), a run of rows is strided on the host: one
-  ``cudaMemcpy2DAsync`` (called through the CUDA runtime that torch loaded) moves
-  it. Without it (runtime not found, or ``TIERKV_CUDA_NO_MEMCPY2D=1``) the run is
-  copied row by row.
-* Completion is tracked with a CUDA event per job, polled with ``event.query()``;
-  nothing here synchronizes a stream except `attach`/`close`, which must wait for
-  the jobs in flight. A CUDA error is sticky for the context: the job that
-  observes it and every later job fail as "fatal", and the worker process should
-  be restarted.
-* Block ids travel to the device through a pinned host tensor, so queueing a job
-  never waits for earlier work on the stream.
+* The region's data area is pinned (`workers.gpu.pinning`) when the backend starts,
+  normally already by the worker before its hello. An unpinned region makes every
+  copy synchronous: it is refused unless ``allow_unpinned`` (``[gpu]
+  allow_unpinned`` in the config).
+* Per direction, a kernel stream runs the gathers/scatters between the KV cache and
+  a device staging buffer laid out like the CPU-tier pages, and a copy stream runs
+  the DMA between staging and the pinned rows. Staging is double buffered: chunk k
+  uses buffer k % 2, so the gather of a chunk overlaps the DMA of the previous one;
+  a pair of events per buffer orders its reuse across streams, chunks and jobs. The
+  two directions have their own streams and buffers: a load never waits behind a
+  store, and both DMA directions use separate copy engines.
+* The host side of a chunk is built as arrays by `workers.gpu.dma_plan` and issued in
+  one ``cudaMemcpyBatchAsync`` (CUDA 12.8+), else one ``cudaMemcpy2DAsync`` per run
+  of consecutive CPU ids, else (no libcudart reachable) one torch ``copy_`` per run;
+  `workers.gpu.cudart.choose_dma_path` picks and says why. The job's pairs are sorted
+  by CPU id first so runs are as long as the ids allow.
+* Completion: the job's end event (``blocking=True``) is waited for by a thread
+  (`workers.gpu.completion`), which wakes the worker's loop; nothing here polls or
+  spins. A CUDA error is sticky for the context: that job and every later one fail
+  as "fatal" and the worker should be restarted.
+* Every CUDA call runs under the KV cache's device (and the waiting threads make it
+  current), so a worker of GPU 3 never creates a context on GPU 0.
+* Block ids travel to the device once per job through a pinned host tensor, so
+  queueing a job never waits for earlier work on the stream.
 
 The engine's kernels and this worker's gather/scatter kernels run in different
 processes; without MPS the GPU time-slices between the two contexts. The kernels
-are short (device bandwidth is ~100x the DMA bandwidth); the DMA itself overlaps
-with the engine's compute.
+are short (device bandwidth is ~100x the DMA bandwidth); the DMA itself runs on the
+copy engines and overlaps the engine's compute.
 
 Import cost: importing this module imports torch but does not initialize CUDA.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import threading
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,7 +50,11 @@ import torch
 
 from tierkv.core.errors import ErrorCode
 from tierkv.wire.protocol import TransferJob, TransferOutcome
-from workers.gpu.jobs import DIRECTIONS, TransferError, failed, runs
+from workers.gpu.completion import CompletionWaiter, PendingJob
+from workers.gpu.cudart import CudaCallError, Runtime, choose_dma_path, cuda_runtime
+from workers.gpu.dma_plan import HostSide, copies_1d, copies_2d
+from workers.gpu.jobs import DIRECTIONS, TransferError, failed
+from workers.gpu.pinning import pin_host, refuse_message, unpin_host
 
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
@@ -63,143 +62,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierkv.transfer_cuda")
 
-CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (UVA)
-
-# -- pinning the region (process-wide, reference counted) -------------------------------
-
-_PIN_LOCK = threading.Lock()
-_PINNED: dict[int, list[int]] = {}  # address -> [references, size, registered 0/1]
-_PIN_WARNED = False
-
-
-def pin_host(ptr: int, size: int) -> bool:
-    """cudaHostRegister [ptr, ptr+size) unless this process already did. Returns
-    whether the memory is pinned; on failure warns once and returns False."""
-    global _PIN_WARNED
-    with _PIN_LOCK:
-        entry = _PINNED.get(ptr)
-        if entry is not None:
-            entry[0] += 1
-            return bool(entry[2])
-        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
-        ok = rc == 0
-        if not ok:
-            _clear_last_error()
-            if not _PIN_WARNED:
-                _PIN_WARNED = True
-                log.warning(
-                    "cudaHostRegister of the CPU tier (%.1f MiB) failed with cudaError %d: "
-                    "copies fall back to pageable, synchronous transfers (check the locked "
-                    "memory limit, ulimit -l)", size / 2**20, rc,
-                )
-        _PINNED[ptr] = [1, size, int(ok)]
-        return ok
-
-
-def unpin_host(ptr: int) -> None:
-    """Drop one reference; the last one unregisters (after the copies finished)."""
-    with _PIN_LOCK:
-        entry = _PINNED.get(ptr)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] > 0:
-            return
-        del _PINNED[ptr]
-        if entry[2]:
-            rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-            if rc != 0:
-                _clear_last_error()
-                log.warning("cudaHostUnregister failed with cudaError %d", rc)
-
-
-# -- the CUDA runtime, for the one call torch does not expose ---------------------------
-
-_RUNTIME: Any = None
-_RUNTIME_LOOKED = False
-
-
-def cuda_runtime() -> ctypes.CDLL | None:
-    """The libcudart torch loaded (found in /proc/self/maps), else any libcudart on
-    the loader path. None if there is none (statically linked torch)."""
-    global _RUNTIME, _RUNTIME_LOOKED
-    if _RUNTIME_LOOKED:
-        return _RUNTIME
-    _RUNTIME_LOOKED = True
-    torch.cuda.init()
-    candidates = []
-    try:
-        with open("/proc/self/maps") as f:
-            candidates += sorted({
-                line.split()[-1] for line in f if "libcudart.so" in line.split()[-1]
-            })
-    except OSError:
-        pass
-    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for name in candidates:
-        try:
-            lib = ctypes.CDLL(name)
-            fn = lib.cudaMemcpy2DAsync
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetLastError.restype = ctypes.c_int
-        log.debug("using %s for cudaMemcpy2DAsync", name)
-        _RUNTIME = lib
-        break
-    return _RUNTIME
-
-
-def _clear_last_error() -> None:
-    """A failed cudaHostRegister leaves a 'last error' that torch would report at
-    its next kernel launch check; reset it if we can reach the runtime."""
-    lib = cuda_runtime()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
-def memcpy2d_async(
-    dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
-) -> None:
-    lib = cuda_runtime()
-    assert lib is not None
-    rc = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
-                               CUDA_MEMCPY_DEFAULT, stream)
-    if rc != 0:
-        lib.cudaGetLastError()
-        msg = lib.cudaGetErrorString(rc).decode(errors="replace")
-        raise RuntimeError(f"cudaMemcpy2DAsync failed: cudaError {rc} ({msg})")
-
-
-# -- the backend ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    job_id: int
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    nbytes: int
-    keep: list[torch.Tensor] = field(default_factory=list)  # alive until the job is done
-
-
-@dataclass
-class _Attached:
-    """Everything that depends on the attached KV cache."""
-
-    device: torch.device
-    views: list[torch.Tensor]  # per tensor (outer, num_blocks, inner/word), word dtype
-    geometry: list[tuple[int, int, int]]  # per tensor (page offset, outer, inner) in words
-    streams: dict[str, torch.cuda.Stream]
-    staging: dict[str, torch.Tensor]  # per direction (capacity, page/word), word dtype
-    capacity: int  # blocks per chunk
-
+#: How long attach/close wait for the copies in flight before failing them.
+DRAIN_TIMEOUT_S = 60.0
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_DEFAULT = object()
 
 
 def word_size(layout: KVLayout) -> int:
@@ -210,35 +77,83 @@ def word_size(layout: KVLayout) -> int:
     return next(w for w in (8, 4, 2, 1) if all(s % w == 0 for s in sizes))
 
 
+@dataclass
+class _Lane:
+    """One direction's streams, double staging buffer and the events ordering it."""
+
+    kernels: Any  # torch.cuda.Stream: gather / scatter
+    copies: Any  # torch.cuda.Stream: DMA
+    staging: list[torch.Tensor]  # 2 x (capacity, page/word), word dtype
+    ready: list[Any]  # per buffer: filled (by the gather, or by the DMA of a load)
+    free: list[Any]  # per buffer: emptied (by the DMA of a store, or the scatter)
+    next_buffer: int = 0
+
+
+@dataclass
+class _Attached:
+    """Everything that depends on the attached KV cache."""
+
+    device: torch.device
+    views: list[torch.Tensor]  # per tensor (outer, num_blocks, inner/word), word dtype
+    geometry: list[tuple[int, int, int]]  # per tensor (page offset, outer, inner) in words
+    lanes: dict[str, _Lane]
+    capacity: int  # blocks per chunk (per staging buffer)
+    word: int
+
+
 class CudaBackend:
-    """Queues jobs on this worker's CUDA streams. All methods run on the worker's
-    main thread; only `attach` and `close` block (for the jobs in flight)."""
+    """Queues jobs on this worker's CUDA streams. Methods run on the worker's main
+    thread; only `attach` and `close` block (for the jobs in flight, bounded by
+    `DRAIN_TIMEOUT_S`). `runtime` is the CUDA runtime seam (tests pass a host one)."""
 
     kind = "cuda"
 
-    def __init__(self, region: SharedRegion, rank: int, staging_bytes: int = 64 << 20) -> None:
+    def __init__(self, region: SharedRegion, rank: int, staging_bytes: int = 64 << 20, *,
+                 device: torch.device | None = None, allow_unpinned: bool = False,
+                 notify: Callable[[], None] = lambda: None,
+                 runtime: Runtime | None | object = _DEFAULT) -> None:
         if not torch.cuda.is_available():
             raise TransferError("the KV cache is on CUDA but this process has no CUDA device")
+        self.device = device if device is not None else torch.device(
+            "cuda", torch.cuda.current_device())
         self._region = region
         self._rank = rank
         self._page = region.layout.page_size
-        self._row = region.layout.row_stride
         self._staging_bytes = staging_bytes
         self._host = region.torch_view()  # (num_blocks, row_stride) uint8, the whole data area
         self._host_ptr = self._host.data_ptr()
         self._host_flat = self._host.view(-1)
-        self._pinned = pin_host(self._host_ptr, self._host.numel())
+        self._hostside = HostSide(self._host_ptr, region.layout.row_stride, rank * self._page,
+                                  self._page)
+        self.pinned = pin_host(self._host_ptr, self._host.numel(), self.device.index)
         self._unpinned = False
-        strided = self._row != self._page
-        use_2d = os.environ.get("TIERKV_CUDA_NO_MEMCPY2D", "") in ("", "0")
-        self._use_2d = strided and use_2d and cuda_runtime() is not None
-        if strided and not self._use_2d:
-            log.warning("rank %d: strided CPU-tier rows are copied row by row "
-                        "(no cudaMemcpy2DAsync)", rank)
+        if not self.pinned.pinned and not allow_unpinned:
+            self._release_host()
+            raise TransferError(refuse_message(self.pinned))
+        if not self.pinned.pinned:
+            log.warning("rank %d: %s (allowed by [gpu] allow_unpinned)", rank,
+                        refuse_message(self.pinned).split(". Raise")[0])
+        self._runtime = cuda_runtime() if runtime is _DEFAULT else runtime
+        choice = choose_dma_path(self._runtime)  # type: ignore[arg-type]
+        self.dma_path, self.dma_reason = choice.path, choice.reason
+        if choice.reason:
+            log.info("rank %d: DMA by %s (%s)", rank, choice.path, choice.reason)
         self._at: _Attached | None = None
-        self._pending: dict[str, deque[_Pending]] = {d: deque() for d in DIRECTIONS}
         self._done: deque[TransferOutcome] = deque()
-        self._broken: str | None = None
+        self.stats = {"jobs": 0, "dma_calls": 0, "submit_cpu_s": 0.0}
+        index = self.device.index
+        self._waiter = CompletionWaiter(
+            f"tierkv-cuda-r{rank}", notify,
+            bind_thread=lambda: torch.cuda.set_device(index) if index is not None else None)
+
+    def describe(self) -> dict[str, Any]:
+        """What gpu-check and the logs report about this backend."""
+        at = self._at
+        return {"device": str(self.device), "pinned": self.pinned.pinned,
+                "pin_seconds": self.pinned.seconds, "pin_error": self.pinned.error,
+                "dma_path": self.dma_path, "dma_reason": self.dma_reason,
+                "word": at.word if at else 0, "chunk_blocks": at.capacity if at else 0,
+                "staging_buffers": 2}
 
     # -- attach / close ---------------------------------------------------------------
 
@@ -247,176 +162,185 @@ class CudaBackend:
         if kv is None:
             self._at = None
             return
-        device = kv.device
-        with torch.cuda.device(device):
-            word = word_size(kv.layout)
-            try:
-                views = [v.view(_WORDS[word]) for v in kv.block_views()]
-            except RuntimeError:  # a tensor not aligned to the word: move bytes
-                word = 1
-                views = kv.block_views()
-            wdtype = _WORDS[word]
-            geometry = [
-                (off // word, outer, inner // word)
-                for off, (outer, inner) in zip(
-                    kv.layout.page_offsets,
-                    (kv.layout.geometry(i) for i in range(len(views))),
-                    strict=True,
-                )
-            ]
-            capacity = max(1, min(self._staging_bytes // self._page, kv.layout.num_blocks,
-                                  self._region.layout.num_blocks))
-            old = self._at
-            reuse = old is not None and old.device == device and old.capacity == capacity \
-                and old.staging["store"].dtype == wdtype
-            if reuse and old is not None:
-                streams, staging = old.streams, old.staging
-            else:
-                streams = {d: torch.cuda.Stream(device) for d in DIRECTIONS}
-                staging = {}
-                for d in DIRECTIONS:
-                    with torch.cuda.stream(streams[d]):
-                        staging[d] = torch.empty(
-                            (capacity, self._page // word), dtype=wdtype, device=device
-                        )
-        self._at = _Attached(device, views, geometry, streams, staging, capacity)
-        log.info("rank %d: cuda backend on %s, %d-byte words, %d blocks per chunk%s",
-                 self._rank, device, word, capacity, "" if self._pinned else " (NOT pinned)")
+        if kv.device != self.device:
+            raise TransferError(f"this backend copies for {self.device}, the KV cache is on "
+                                f"{kv.device}")
+        with torch.cuda.device(self.device):
+            self._at = self._attached(kv)
+        at = self._at
+        log.info("rank %d: cuda backend on %s, %d-byte words, %d blocks per chunk x 2 "
+                 "buffers, DMA by %s, %s", self._rank, self.device, at.word, at.capacity,
+                 self.dma_path, "pinned" if self.pinned.pinned else "NOT pinned")
+
+    def _attached(self, kv: OpenedKV) -> _Attached:
+        word = word_size(kv.layout)
+        try:
+            views = [v.view(_WORDS[word]) for v in kv.block_views()]
+        except RuntimeError:  # a tensor not aligned to the word: move bytes
+            word = 1
+            views = kv.block_views()
+        geometry = [
+            (off // word, outer, inner // word)
+            for off, (outer, inner) in zip(
+                kv.layout.page_offsets,
+                (kv.layout.geometry(i) for i in range(len(views))), strict=True)
+        ]
+        capacity = max(1, min(self._staging_bytes // 2 // self._page, kv.layout.num_blocks,
+                              self._region.layout.num_blocks))
+        old = self._at
+        if (old is not None and old.capacity == capacity and old.word == word
+                and old.device == kv.device):
+            lanes = old.lanes
+        else:
+            lanes = {d: self._lane(capacity, word) for d in DIRECTIONS}
+        return _Attached(kv.device, views, geometry, lanes, capacity, word)
+
+    def _lane(self, capacity: int, word: int) -> _Lane:
+        kernels, copies = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        staging = []
+        for _ in range(2):
+            with torch.cuda.stream(kernels):
+                staging.append(torch.empty((capacity, self._page // word), dtype=_WORDS[word],
+                                           device=self.device))
+        return _Lane(kernels, copies, staging, [torch.cuda.Event() for _ in range(2)],
+                     [torch.cuda.Event() for _ in range(2)])
 
     def close(self) -> None:
         try:
-            self._drain()
+            self._waiter.close(DRAIN_TIMEOUT_S)
+            self._done.extend(self._waiter.poll())
         finally:
             self._at = None
-            if not self._unpinned:
-                self._unpinned = True
-                unpin_host(self._host_ptr)
-                del self._host, self._host_flat  # release the region's map
+            self._release_host()
+
+    def _release_host(self) -> None:
+        if not self._unpinned:
+            self._unpinned = True
+            unpin_host(self._host_ptr, self.device.index)
+            del self._host, self._host_flat  # release the region's map
 
     def _drain(self) -> None:
-        """Wait for the jobs in flight (blocks), collecting their outcomes."""
-        at = self._at
-        if at is None:
-            return
-        for d in DIRECTIONS:
-            try:
-                at.streams[d].synchronize()
-            except RuntimeError as e:
-                self._fail_all(f"CUDA error: {e}")
-        self._collect()
+        """Wait for the jobs in flight (blocks, bounded), collecting their outcomes."""
+        if not self._waiter.wait_idle(DRAIN_TIMEOUT_S):
+            self._waiter.fail_all(f"copies did not finish within {DRAIN_TIMEOUT_S:.0f} s")
+        self._done.extend(self._waiter.poll())
 
     # -- jobs ------------------------------------------------------------------------------
 
     def submit(self, job: TransferJob, gpu: np.ndarray, cpu: np.ndarray) -> None:
-        if self._broken is not None:
-            self._done.append(failed(job.job_id, ErrorCode.FATAL, self._broken))
-            return
+        cpu_start = time.thread_time()
+        broken = self._waiter.broken
         at = self._at
-        if at is None:
-            self._done.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "no KV cache attached"))
+        if broken is not None or at is None:
+            self._done.append(failed(job.job_id, ErrorCode.FATAL if broken else
+                                     ErrorCode.UNAVAILABLE, broken or "no KV cache attached"))
             return
         order = np.argsort(cpu, kind="stable")
         cpu, gpu = cpu[order], gpu[order]
-        stream = at.streams[job.direction]
-        pending = _Pending(job.job_id, torch.cuda.Event(enable_timing=True),
-                           torch.cuda.Event(enable_timing=True), len(cpu) * self._page)
-        with torch.cuda.device(at.device), torch.cuda.stream(stream):
-            pending.start.record(stream)
+        lane = at.lanes[job.direction]
+        store = job.direction == "store"
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        calls = 0
+        with torch.cuda.device(at.device):
+            start.record(lane.kernels if store else lane.copies)
+            index_host = torch.from_numpy(gpu).pin_memory()
+            with torch.cuda.stream(lane.kernels):
+                index = index_host.to(at.device, non_blocking=True)
             for lo in range(0, len(cpu), at.capacity):
-                cc, gg = cpu[lo : lo + at.capacity], gpu[lo : lo + at.capacity]
-                index = torch.from_numpy(gg).pin_memory().to(at.device, non_blocking=True)
-                pending.keep.append(index)
-                if job.direction == "store":
-                    self._gather(at, index)
-                    self._dma(at, cc, to_host=True)
-                else:
-                    self._dma(at, cc, to_host=False)
-                    self._scatter(at, index)
-            pending.end.record(stream)
-        self._pending[job.direction].append(pending)
+                calls += self._chunk(at, lane, store, cpu[lo : lo + at.capacity],
+                                     index[lo : lo + at.capacity])
+            end.record(lane.copies if store else lane.kernels)
+        self.stats["jobs"] += 1
+        self.stats["dma_calls"] += calls
+        self.stats["submit_cpu_s"] += time.thread_time() - cpu_start
+        self._waiter.add(job.direction, PendingJob(
+            job.job_id, len(cpu) * self._page, end,
+            lambda: start.elapsed_time(end) / 1000.0, keep=[index_host, index]))
 
-    def _stage_view(self, at: _Attached, direction: str, i: int, k: int) -> torch.Tensor:
+    def _chunk(self, at: _Attached, lane: _Lane, store: bool, cpu: np.ndarray,
+               index: torch.Tensor) -> int:
+        """One chunk through staging buffer `lane.next_buffer`; returns its DMA calls."""
+        b = lane.next_buffer
+        lane.next_buffer ^= 1
+        buf = lane.staging[b]
+        if store:
+            lane.kernels.wait_event(lane.free[b])
+            with torch.cuda.stream(lane.kernels):
+                self._gather(at, buf, index)
+            lane.ready[b].record(lane.kernels)
+            lane.copies.wait_event(lane.ready[b])
+            calls = self._dma(buf, cpu, True, lane.copies)
+            lane.free[b].record(lane.copies)
+        else:
+            lane.copies.wait_event(lane.free[b])
+            calls = self._dma(buf, cpu, False, lane.copies)
+            lane.ready[b].record(lane.copies)
+            lane.kernels.wait_event(lane.ready[b])
+            with torch.cuda.stream(lane.kernels):
+                self._scatter(at, buf, index)
+            lane.free[b].record(lane.kernels)
+        return calls
+
+    def _stage_view(self, at: _Attached, buf: torch.Tensor, i: int, k: int) -> torch.Tensor:
         """Tensor i's pieces of the first k staged pages, as (outer, k, inner) words."""
         off, outer, inner = at.geometry[i]
-        rows = at.staging[direction][:k, off : off + outer * inner]
-        return rows.unflatten(1, (outer, inner)).permute(1, 0, 2)
+        return buf[:k, off : off + outer * inner].unflatten(1, (outer, inner)).permute(1, 0, 2)
 
-    def _gather(self, at: _Attached, index: torch.Tensor) -> None:
+    def _gather(self, at: _Attached, buf: torch.Tensor, index: torch.Tensor) -> None:
         k = len(index)
         for i, view in enumerate(at.views):
-            torch.index_select(view, 1, index, out=self._stage_view(at, "store", i, k))
+            torch.index_select(view, 1, index, out=self._stage_view(at, buf, i, k))
 
-    def _scatter(self, at: _Attached, index: torch.Tensor) -> None:
+    def _scatter(self, at: _Attached, buf: torch.Tensor, index: torch.Tensor) -> None:
         k = len(index)
         for i, view in enumerate(at.views):
-            view.index_copy_(1, index, self._stage_view(at, "load", i, k))
+            view.index_copy_(1, index, self._stage_view(at, buf, i, k))
 
-    def _dma(self, at: _Attached, cpu: np.ndarray, to_host: bool) -> None:
-        """One transfer per run of consecutive CPU ids between staging rows and this
-        rank's pages; runs on the current (direction's) stream."""
-        staging = at.staging["store" if to_host else "load"]
-        stage_flat = staging.view(torch.uint8).view(-1)
-        stage_ptr = staging.data_ptr()
-        page, row, base = self._page, self._row, self._rank * self._page
-        stream = torch.cuda.current_stream().cuda_stream
-        starts, lengths = runs(cpu)
-        for a, n in zip(starts.tolist(), lengths.tolist(), strict=True):
-            c0 = int(cpu[a])
-            if row == page:
-                host = self._host_flat[c0 * row : (c0 + n) * row]
-                dev = stage_flat[a * page : (a + n) * page]
-                _copy(host, dev, to_host)
-            elif self._use_2d:
-                host_ptr = self._host_ptr + c0 * row + base
-                dev_ptr = stage_ptr + a * page
-                if to_host:
-                    memcpy2d_async(host_ptr, row, dev_ptr, page, page, n, stream)
-                else:
-                    memcpy2d_async(dev_ptr, page, host_ptr, row, page, n, stream)
-            else:
+    def _dma(self, buf: torch.Tensor, cpu: np.ndarray, to_host: bool, stream: Any) -> int:
+        """Move the chunk between staging `buf` and this rank's pages on `stream`, by
+        the chosen path; returns the number of DMA calls it took."""
+        handle = stream.cuda_stream
+        if self.dma_path == "batch":
+            copies = copies_1d(cpu, self._hostside, buf.data_ptr(), to_host)
+            try:
+                self._runtime.memcpy_batch(copies.dst, copies.src, copies.size, handle)  # type: ignore[union-attr]
+                return 1
+            except CudaCallError as e:  # e.g. a driver older than the runtime
+                fallback = "2d" if self._runtime.has_2d else "copy"  # type: ignore[union-attr]
+                self.dma_path, self.dma_reason = fallback, str(e)
+                log.warning("rank %d: %s; DMA by %s from now on", self._rank, e, fallback)
+        if self.dma_path == "2d":
+            plan = copies_2d(cpu, self._hostside, buf.data_ptr(), to_host)
+            memcpy_2d = self._runtime.memcpy_2d  # type: ignore[union-attr]
+            for dst, dpitch, src, spitch, width, height in plan.rows():
+                memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
+            return len(plan)
+        return self._dma_by_torch(buf, cpu, to_host, stream)
+
+    def _dma_by_torch(self, buf: torch.Tensor, cpu: np.ndarray, to_host: bool,
+                      stream: Any) -> int:
+        """No runtime reachable: torch copy_ per run (contiguous rows) or per row."""
+        stage = buf.view(torch.uint8).view(-1)
+        plan = copies_2d(cpu, self._hostside, buf.data_ptr(), to_host)
+        host_addr, stage_addr = (plan.dst, plan.src) if to_host else (plan.src, plan.dst)
+        calls = 0
+        with torch.cuda.stream(stream):
+            for h, s, w, n in zip(host_addr.tolist(), stage_addr.tolist(),
+                                  plan.width.tolist(), plan.height.tolist(), strict=True):
+                h0, s0 = h - self._host_ptr, s - buf.data_ptr()
+                pitch = self._hostside.row if n > 1 else w
                 for r in range(n):
-                    host = self._host[c0 + r, base : base + page]
-                    _copy(host, stage_flat[(a + r) * page : (a + r + 1) * page], to_host)
+                    host = self._host_flat[h0 + r * pitch : h0 + r * pitch + w]
+                    dev = stage[s0 + r * w : s0 + (r + 1) * w]
+                    if to_host:
+                        host.copy_(dev, non_blocking=True)
+                    else:
+                        dev.copy_(host, non_blocking=True)
+                    calls += 1
+        return calls
 
     def poll(self) -> list[TransferOutcome]:
-        self._collect()
         out = list(self._done)
         self._done.clear()
-        return out
-
-    def _collect(self) -> None:
-        """Move finished jobs (events complete, in stream order) to the outcomes."""
-        for d in DIRECTIONS:
-            queue = self._pending[d]
-            while queue:
-                p = queue[0]
-                try:
-                    if not p.end.query():
-                        break
-                    seconds = p.start.elapsed_time(p.end) / 1000.0
-                except RuntimeError as e:
-                    self._fail_all(f"CUDA error: {e}")
-                    return
-                queue.popleft()
-                self._done.append(TransferOutcome(
-                    job_id=p.job_id, success=True, bytes_moved=p.nbytes, seconds=seconds,
-                ))
-
-    def _fail_all(self, reason: str) -> None:
-        """A sticky CUDA error: every job in flight and every later one fails."""
-        if self._broken is None:
-            log.error("rank %d: %s; failing every job until the worker restarts",
-                      self._rank, reason)
-        self._broken = reason
-        for d in DIRECTIONS:
-            while self._pending[d]:
-                p = self._pending[d].popleft()
-                self._done.append(failed(p.job_id, ErrorCode.FATAL, reason))
-
-
-def _copy(host: torch.Tensor, dev: torch.Tensor, to_host: bool) -> None:
-    if to_host:
-        host.copy_(dev, non_blocking=True)
-    else:
-        dev.copy_(host, non_blocking=True)
-
+        return out + self._waiter.poll()

@@ -3,44 +3,51 @@ this rank's pages of the CPU tier. It knows no sockets; `workers/gpu_worker.py`
 feeds it jobs and ships its outcomes.
 
 Threads: every public method is called from the worker's main (socket) thread and
-never blocks for long, except `attach` and `close`, which wait for the jobs in
-flight. Copies run elsewhere: on a background thread for CPU KV caches
-(`transfer_cpu`), on the worker's own CUDA streams for CUDA KV caches
-(`transfer_cuda`).
+never blocks for long, except `attach`, `close` and `wait`, which wait for the jobs
+in flight (bounded). Copies run elsewhere: on a background thread for CPU KV caches
+(`copy_cpu`), on the worker's own CUDA streams for CUDA KV caches (`copy_cuda`),
+whose completions a waiting thread reports. Either way a finished job notifies
+`wakeup`, so the worker's loop sleeps until there is something to report.
 
 A job copies ``gpu_block_ids[j] <-> cpu_block_ids[j]`` for every j; "store" is KV
 cache -> CPU tier, "load" is CPU tier -> KV cache. Only page `rank` of each CPU-tier
 row is touched, so the workers of all ranks share one region. The bytes of a block
 inside a page follow `tierkv.engine` (the page layout is defined there only).
 
-Ordering contract (the client, the broker and the engine rely on it):
+The engine contract (the client, the broker and the engine rely on it; the README
+says it for users):
 
-* Jobs of one direction run in submission order; loads and stores may overlap each
-  other (the broker never lets a load read a CPU block that is being written).
-  The CPU backend runs waiting loads before waiting stores.
-* Store: the client asks to store a block only after the engine step that wrote it
-  has synchronized its output on the host (the sampled tokens reached the CPU), so
-  every write to the block is complete and visible to another stream or process.
-  The engine must not reuse a stored GPU block until the client saw the store
-  finish.
-* Load: a load is complete for the engine only when the client sees the job
-  finished (a `step` result), which follows the worker observing the job's CUDA
-  event complete. The engine reads the loaded blocks on a later step; no
-  cross-process CUDA event is shared (simpler, and a step boundary is already a
-  host synchronization in every engine we target).
+* Load only into GPU blocks the engine has allocated for the request and not yet
+  computed, and do not read them before the client saw the load finish (a `step`
+  result; the worker reports it after the copy's CUDA event completed). No
+  cross-process CUDA event is shared: a step boundary is already a host
+  synchronization in every engine we target.
+* Store only blocks whose engine step finished on the host (the sampled tokens
+  reached the CPU), so every write to the block is complete and visible to another
+  stream or process; do not overwrite or free a stored block before the client saw
+  the store finish.
+* What can be checked here is: a load into a GPU block that a store in flight still
+  reads, or a store of a GPU block that a load in flight is still writing, is
+  refused (``bad_request``) and copies nothing. Such a pair would race: loads and
+  stores run on separate streams.
+
+Ordering: jobs of one direction run in submission order; loads and stores may
+overlap each other (the broker never lets a load read a CPU block that is being
+written). The CPU backend runs waiting loads before waiting stores.
 
 Invalid jobs — ids out of range, lengths that differ, a duplicate destination id,
-no KV cache attached, a deadline already passed — fail with a `TransferOutcome`
-(codes from `tierkv.core.errors.ErrorCode`) and copy nothing; submit and poll never
-raise for a bad job.
+no KV cache attached, a deadline already passed, a broken contract — fail with a
+`TransferOutcome` (codes from `tierkv.core.errors.ErrorCode`) and copy nothing;
+submit and poll never raise for a bad job.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -48,12 +55,14 @@ from tierkv.core.errors import ErrorCode
 from tierkv.wire.protocol import TransferJob, TransferOutcome
 from tierkv.wire.wakeup import Wakeup
 from workers.gpu.jobs import JobError, TransferError, failed, validate
+from workers.gpu.reservations import BlockUse
 
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
     from tierkv.engine import OpenedKV
 
 log = logging.getLogger("tierkv.transfer")
+
 
 class Backend(Protocol):
     """One device kind's copy machinery. Methods run on the worker's main thread."""
@@ -78,7 +87,8 @@ class TransferEngine:
 
     `device`: "auto" (the backend follows the attached KV cache's device), "cpu",
     or "cuda"/"cuda:N" (refuse KV caches elsewhere). `staging_bytes` bounds the
-    device staging buffer of each direction (CUDA only)."""
+    device staging buffers of each direction (CUDA only). `allow_unpinned`: accept
+    a region that cannot be pinned for DMA (CUDA; otherwise attach fails)."""
 
     def __init__(
         self,
@@ -88,6 +98,7 @@ class TransferEngine:
         *,
         staging_bytes: int = 64 << 20,
         wakeup: Wakeup | None = None,
+        allow_unpinned: bool = False,
     ) -> None:
         if not 0 <= rank < region.layout.world_size:
             raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
@@ -97,9 +108,12 @@ class TransferEngine:
         self.rank = rank
         self.device = device
         self.staging_bytes = staging_bytes
-        self.wakeup = wakeup  # the CPU backend notifies it when a copy finishes
+        self.allow_unpinned = allow_unpinned
+        self.wakeup = wakeup  # notified from the copy threads when a job finished
+        self._finished = threading.Event()  # the same, for `wait`
         self._kv: OpenedKV | None = None
         self._backend: Backend | None = None
+        self._use: BlockUse | None = None
         self._early: deque[TransferOutcome] = deque()
         self._in_flight = 0
         self._closed = False
@@ -109,14 +123,27 @@ class TransferEngine:
         return self._kv
 
     @property
-    def notifies(self) -> bool:
-        """True if finished copies notify `wakeup` (CPU); CUDA events must be polled."""
-        return self._backend is None or getattr(self._backend, "kind", "") == "cpu"
-
-    @property
     def in_flight(self) -> int:
         """Jobs submitted and not yet returned by `poll` (failed ones included)."""
         return self._in_flight
+
+    @property
+    def pinned(self) -> bool | None:
+        """Whether the CUDA backend's region is pinned; None without a CUDA backend."""
+        pinned = getattr(self._backend, "pinned", None)
+        return None if pinned is None else bool(pinned.pinned)
+
+    def describe(self) -> dict[str, Any]:
+        """The backend's facts (pinned, DMA path, word, chunk) for logs and gpu-check."""
+        describe = getattr(self._backend, "describe", None)
+        return {"backend": getattr(self._backend, "kind", None),
+                **(describe() if describe else {})}
+
+    def _notify(self) -> None:
+        """Called on a copy or waiting thread each time a job finished."""
+        self._finished.set()
+        if self.wakeup is not None:
+            self.wakeup.notify()
 
     def attach(self, kv: OpenedKV) -> None:
         """Use `kv` for the next jobs, replacing the previous KV cache. Blocks until
@@ -133,13 +160,27 @@ class TransferEngine:
         kind = kv.device.type
         if self.device != "auto" and self.device.split(":")[0] != kind:
             raise TransferError(f"this engine copies for {self.device}, the KV cache is on {kind}")
-        if self._backend is not None and self._backend.kind != kind:
-            self._backend.attach(None)
-            self._drain_backend()
-        if self._backend is None:
-            self._backend = self._make_backend(kind)
-        self._backend.attach(kv)
+        old = self._backend
+        if old is None or old.kind != kind or getattr(old, "device", None) not in (
+                None, kv.device):
+            # A new backend is made and attached before the old one is let go: if
+            # that fails, the KV cache that works stays attached.
+            new = self._make_backend(kind, kv)
+            try:
+                new.attach(kv)
+            except BaseException:
+                new.close()
+                self._early.extend(new.poll())
+                raise
+            if old is not None:
+                old.attach(None)
+                self._drain_backend()
+            self._backend = new
+        else:
+            old.attach(kv)
         self._kv = kv
+        # The backend waited for every job in flight: nothing holds a block any more.
+        self._use = BlockUse(kv.layout.num_blocks)
         log.info("rank %d: attached %r (page %d B)", self.rank, kv, page)
 
     def detach(self) -> None:
@@ -148,15 +189,16 @@ class TransferEngine:
             self._backend.attach(None)
         self._kv = None
 
-    def _make_backend(self, kind: str) -> Backend:
+    def _make_backend(self, kind: str, kv: OpenedKV) -> Backend:
         if kind == "cuda":
             from workers.gpu.copy_cuda import CudaBackend
 
-            return CudaBackend(self.region, self.rank, self.staging_bytes)
+            return CudaBackend(self.region, self.rank, self.staging_bytes, device=kv.device,
+                               allow_unpinned=self.allow_unpinned, notify=self._notify)
         if kind == "cpu":
             from workers.gpu.copy_cpu import CpuBackend
 
-            return CpuBackend(self.region, self.rank, self.wakeup)
+            return CpuBackend(self.region, self.rank, self._notify)
         raise TransferError(f"no transfer backend for device type {kind!r}")
 
     def _drain_backend(self) -> None:
@@ -173,6 +215,8 @@ class TransferEngine:
             return
         try:
             gpu, cpu = validate(job, self._kv, self.region.layout.num_blocks)
+            assert self._use is not None
+            self._use.check(job.job_id, job.direction, gpu)
         except JobError as e:
             self._early.append(failed(job.job_id, e.code, str(e)))
             return
@@ -180,6 +224,7 @@ class TransferEngine:
             self._early.append(TransferOutcome(job_id=job.job_id, success=True))
             return
         assert self._backend is not None
+        self._use.hold(job.job_id, job.direction, gpu)
         try:
             self._backend.submit(job, gpu, cpu)
         except Exception as e:  # a device error while queueing: this job only
@@ -188,23 +233,29 @@ class TransferEngine:
 
     def poll(self) -> list[TransferOutcome]:
         """Outcomes of finished jobs, each reported exactly once. Never blocks."""
+        self._finished.clear()
         out = list(self._early)
         self._early.clear()
         if self._backend is not None:
             out += self._backend.poll()
+        if self._use is not None:
+            for outcome in out:
+                self._use.release(outcome.job_id)
         self._in_flight -= len(out)
         return out
 
     def wait(self, timeout: float = 60.0) -> list[TransferOutcome]:
-        """Poll until nothing is in flight or `timeout` passes (tests, benchmarks and
-        shutdown; the worker loop polls instead)."""
+        """Collect outcomes until nothing is in flight or `timeout` passes (tests,
+        benchmarks and shutdown; the worker's loop sleeps on `wakeup` instead)."""
         out: list[TransferOutcome] = []
         end = time.monotonic() + timeout
         while True:
             out += self.poll()
-            if self._in_flight == 0 or time.monotonic() >= end:
+            left = end - time.monotonic()
+            if self._in_flight == 0 or left <= 0:
                 return out
-            time.sleep(0.0002)
+            # Woken by the next finished job; the cap bounds a missed wakeup.
+            self._finished.wait(min(left, 0.05))
 
     def close(self) -> None:
         """Wait for the job running, fail those not started (reported by a last
