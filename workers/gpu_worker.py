@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     if cuda_index is not None:
         # Before any other CUDA call: every call of this process, and the threads
         # that bind this device, run on this GPU. cudaSetDevice creates its context.
-        started = time.perf_counter()
+        t0 = time.perf_counter()
         torch.cuda.set_device(cuda_index)
         log.info("rank %d: CUDA context on cuda:%d (%s) in %.2f s", args.rank, cuda_index,
-                 torch.cuda.get_device_name(cuda_index), time.perf_counter() - started)
+                 torch.cuda.get_device_name(cuda_index), time.perf_counter() - t0)
     service = WorkerService(config, args.rank, device, cuda_index)
     service.install_signals()
     try:

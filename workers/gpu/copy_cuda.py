@@ -304,15 +304,15 @@ class CudaBackend:
         if self.dma_path == "batch":
             copies = copies_1d(cpu, self._hostside, buf.data_ptr(), to_host)
             try:
-                self._runtime.memcpy_batch(copies.dst, copies.src, copies.size, handle)  # type: ignore[union-attr]
+                self._runtime.memcpy_batch(copies.dst, copies.src, copies.size, handle)  # type: ignore[attr-defined]
                 return 1
             except CudaCallError as e:  # e.g. a driver older than the runtime
-                fallback = "2d" if self._runtime.has_2d else "copy"  # type: ignore[union-attr]
+                fallback = "2d" if self._runtime.has_2d else "copy"  # type: ignore[attr-defined]
                 self.dma_path, self.dma_reason = fallback, str(e)
                 log.warning("rank %d: %s; DMA by %s from now on", self._rank, e, fallback)
         if self.dma_path == "2d":
             plan = copies_2d(cpu, self._hostside, buf.data_ptr(), to_host)
-            memcpy_2d = self._runtime.memcpy_2d  # type: ignore[union-attr]
+            memcpy_2d = self._runtime.memcpy_2d  # type: ignore[attr-defined]
             for dst, dpitch, src, spitch, width, height in plan.rows():
                 memcpy_2d(dst, dpitch, src, spitch, width, height, handle)
             return len(plan)

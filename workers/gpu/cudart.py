@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,11 +213,13 @@ class DmaChoice:
     reason: str  # why not a better one ("" for the best)
 
 
-def choose_dma_path(runtime: Runtime | None, env: dict[str, str] | None = None) -> DmaChoice:
+def choose_dma_path(runtime: Runtime | None,
+                    env: Mapping[str, str] | None = None) -> DmaChoice:
     """The best DMA path `runtime` allows. ``TIERKV_CUDA_DMA=batch|2d|copy`` asks for
     one (granted only if the runtime has it); ``TIERKV_CUDA_NO_MEMCPY2D=1`` (older
     name) means ``copy``."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     wanted = env.get("TIERKV_CUDA_DMA", "").strip().lower()
     if env.get("TIERKV_CUDA_NO_MEMCPY2D", "") not in ("", "0"):
         wanted = "copy"

@@ -74,7 +74,8 @@ def gpus(say: Say) -> None:
         p = torch.cuda.get_device_properties(i)
         bus = ""
         if hasattr(p, "pci_bus_id"):
-            bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            bus = (f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:"
+                   f"{getattr(p, 'pci_device_id', 0):02x}.0")
         say(f"cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, {bus} "
             f"{_sysfs_link(bus) if bus else ''}")
     for line in _nvidia_smi():
