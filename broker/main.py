@@ -80,7 +80,7 @@ class BrokerProc:
                 for entry in config.tiers
             }
             manager = TieringManager(primary, list(self.remote.values()),
-                                     lease_steps=cpu.lease_steps, region=self.region,
+                                     lease_s=config.broker.lease_s, region=self.region,
                                      max_cascade_backlog=cpu.cascade_backlog_blocks
                                      or max(64, cpu.num_blocks // 4))
             self.core = BrokerCore(config, manager, self.remote, self._send, clock,

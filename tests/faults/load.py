@@ -328,7 +328,7 @@ class Driver:
 
     def finish(self, req_id: str) -> None:
         """Best effort, also for a request that failed, as an engine does: blocks
-        promoted for it would otherwise stay leased for `cpu.lease_steps`."""
+        promoted for it would otherwise stay leased for `broker.lease_s`."""
         with contextlib.suppress(BrokerUnavailable, RemoteError):
             self.call(self.client.finish, req_id)
 

@@ -284,7 +284,7 @@ def test_cpu_full_of_busy_blocks_answers_pending_not_a_miss(region):
     evict_all(mgr, region)
     busy = k(*range(100, 106))
     mgr.prepare_load(busy)  # every CPU block has a reader
-    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    assert mgr.lookup(k(1), "r") == Lookup(0, True, retry=True)  # no room yet: ask again
     assert mgr.stats()["tiering"]["promotions_refused"] == 1
     mgr.complete_load(busy)  # the loads finished: blocks can be evicted again
     assert mgr.lookup(k(1), "r") == Lookup(0, True)  # now promoted
@@ -303,7 +303,7 @@ def test_cpu_full_of_cascading_blocks_answers_pending(region):
     settle(mgr)
     evict_all(mgr, region)  # k(1) only in the tier now; the fill is still cascading
     assert all(mgr.primary.readers(x) for x in k(*range(100, 106)))
-    assert mgr.lookup(k(1), "r") == Lookup(0, True)
+    assert mgr.lookup(k(1), "r") == Lookup(0, True, retry=True)
     slow.complete_pending()
     settle(mgr)
     assert mgr.lookup(k(1), "r").pending  # room now: promoted
@@ -316,7 +316,7 @@ def test_cpu_full_of_cascading_blocks_answers_pending(region):
 def test_lease_protects_landed_blocks_until_loaded(instance):
     with SharedRegion.create(instance, num_blocks=2, page_size=PAGE) as region:
         a = MemoryTier(region, capacity_blocks=64, name="a")
-        mgr = manager(region, a, lease_steps=100)
+        mgr = manager(region, a, lease_s=100)
         gpu_store(mgr, region, k(1, 2))
         settle(mgr)
         gpu_store(mgr, region, k(3, 4))
@@ -324,7 +324,8 @@ def test_lease_protects_landed_blocks_until_loaded(instance):
         evict_all(mgr, region)
         assert mgr.lookup(k(1, 2), "A").pending
         settle(mgr)  # A's blocks landed and are leased
-        assert mgr.lookup(k(3, 4), "B") == Lookup(0, True)  # cannot evict A's unread blocks
+        # B cannot evict A's unread blocks: no room now, ask again.
+        assert mgr.lookup(k(3, 4), "B") == Lookup(0, True, retry=True)
         assert mgr.lookup(k(1, 2), "A") == Lookup(2, False)
         gpu_load(mgr, region, k(1, 2), req="A")
         assert mgr.lookup(k(3, 4), "B") == Lookup(0, True)  # now there is room
@@ -333,7 +334,8 @@ def test_lease_protects_landed_blocks_until_loaded(instance):
 def test_finish_and_expiry_end_leases(instance):
     with SharedRegion.create(instance, num_blocks=2, page_size=PAGE) as region:
         a = MemoryTier(region, capacity_blocks=64, name="a")
-        mgr = manager(region, a, lease_steps=3)
+        now = [0.0]
+        mgr = manager(region, a, lease_s=3.0, clock=lambda: now[0])
         gpu_store(mgr, region, k(1, 2))
         settle(mgr)
         evict_all(mgr, region)
@@ -343,7 +345,13 @@ def test_finish_and_expiry_end_leases(instance):
         assert mgr.primary.readers(k(1)[0]) == 1 and mgr.primary.readers(k(2)[0]) == 1
         mgr.finish("A")
         assert mgr.primary.readers(k(1)[0]) == 0
-        settle(mgr, 3)
+        now[0] = 2.0
+        assert mgr.lookup(k(2), "B").hits == 1  # asking again renews B's lease
+        now[0] = 4.5
+        settle(mgr)
+        assert mgr.primary.readers(k(2)[0]) == 1
+        now[0] = 5.5
+        settle(mgr)
         assert mgr.primary.readers(k(2)[0]) == 0
         assert mgr.stats()["tiering"]["leases_expired"] == 1
 
@@ -375,13 +383,13 @@ def test_shared_tier_unknown_key_is_checked_then_promoted(region):
     tier = LocalTier(backend, region, name="s3ish")
     tier.index.present.clear()  # this node has never seen it
     mgr = manager(region, tier)
-    assert mgr.lookup(k(7), "r") == Lookup(0, True)  # existence check under way
+    assert mgr.lookup(k(7), "r") == Lookup(0, True, retry=True)  # existence check under way
     mgr.step()
     assert mgr.lookup(k(7), "r") == Lookup(0, True)  # known now: promotion starts
     mgr.step()
     assert mgr.lookup(k(7), "r") == Lookup(1, False)
     assert gpu_load(mgr, region, k(7), req="r") == [pattern(k(7)[0], region.block_bytes)]
-    assert mgr.lookup(k(8), "r") == Lookup(0, True)
+    assert mgr.lookup(k(8), "r") == Lookup(0, True, retry=True)
     mgr.step()
     assert mgr.lookup(k(8), "r") == Lookup(0, False)  # negative answer cached
 
@@ -446,7 +454,7 @@ def test_no_secondary_tiers_behaves_like_primary(region):
 def test_random_steps_every_hit_has_the_stored_bytes(region, ops):
     a = MemoryTier(region, capacity_blocks=5, name="a")
     b = MemoryTier(region, capacity_blocks=9, name="b")
-    mgr = manager(region, a, b, lease_steps=4)
+    mgr = manager(region, a, b, lease_s=4.0)
     stored: set[bytes] = set()
     for op, ns, req in ops:
         keys = k(*ns)
@@ -594,3 +602,40 @@ class RecordingLocal(LocalTier):
     def submit_load(self, job: Job) -> None:
         self.loads.append(job)
         super().submit_load(job)
+
+
+def test_a_lookup_leases_its_hits_to_the_request_until_it_loads_them(region):
+    """Issue 15: another engine sharing the broker could evict a block between an
+    engine's lookup and its load; the lookup now leases the hits it reports."""
+    mgr = manager(region, lease_s=60.0)
+    gpu_store(mgr, region, k(1, 2, 3))
+    assert mgr.lookup(k(1, 2, 3), "A").hits == 3
+    assert mgr.lookup(k(1, 2, 3), "A").hits == 3  # asked again: no second reader
+    assert [mgr.primary.readers(x) for x in k(1, 2, 3)] == [1, 1, 1]
+    # Another request fills the tier: A's hits are not the victims.
+    assert gpu_store(mgr, region, k(10, 11, 12, 13), may_refuse=True) == []
+    assert gpu_store(mgr, region, k(10, 11, 12)) == k(10, 11, 12)
+    assert mgr.lookup(k(1, 2, 3), "A").hits == 3
+    assert gpu_load(mgr, region, k(1, 2, 3), req="A") == [pattern(x, region.block_bytes)
+                                                         for x in k(1, 2, 3)]
+    assert [mgr.primary.readers(x) for x in k(1, 2, 3)] == [0, 0, 0]  # loaded: lease over
+    mgr.check_invariants()
+
+
+def test_lookup_keys_answers_a_status_per_key(region):
+    from tierkv.core.tiering import HIT, MISS, PENDING
+
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    evict_all(mgr, region)
+    gpu_store(mgr, region, k(3))
+    settle(mgr)
+    found, status = mgr.lookup_keys(k(1, 9, 3), "r")  # 1 in tier a, 9 nowhere, 3 in CPU
+    assert status == [PENDING, MISS, HIT]
+    assert found.hits == 0 and found.pending
+    settle(mgr)
+    found, status = mgr.lookup_keys(k(1, 9, 3), "r")
+    assert status == [HIT, MISS, HIT] and found.hits == 1
+    assert mgr.source_of(k(1)[0]) == "a" and mgr.source_of(k(3)[0]) is None

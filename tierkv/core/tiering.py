@@ -17,9 +17,10 @@ keep data safe"):
   promotions and one per tier for cascades. Latency that follows: with a tier that
   completes at once, a key promoted in step N is a hit in step N+1, and a cascade's
   reader is released in step N+1.
-* **Leases**: a promoted block stays protected (a reader) until its request loads
-  it, the request is finished, or `lease_steps` steps pass, so promotions for
-  queued requests cannot evict each other's landed, unread blocks.
+* **Leases** (`tierkv.core.leases`): the blocks a lookup reports as hits to a
+  request, and the blocks promoted for one, stay protected (a reader) until the
+  request loads them, finishes, or `lease_s` passes since it last asked, so
+  another request (or engine) cannot evict them between the lookup and the load.
 * **Failed promotions** make the key a miss in that tier, never an endless retry:
   until it is stored again when the tier lost it (not found, corrupt), and for a
   back-off otherwise (a dead process, a timeout, an endpoint down: the key may be
@@ -38,12 +39,13 @@ import logging
 import math
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.core.errors import LOST
 from tierkv.core.keys import OffloadEvent, OffloadKey
+from tierkv.core.leases import Leases
 from tierkv.core.loglimit import RateLimitedLog
 from tierkv.core.primary import BlockStateError, PrepareStoreOutput, PrimaryTier
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
@@ -58,7 +60,12 @@ ReqId = str | None
 @dataclass(frozen=True, slots=True)
 class Lookup:
     hits: int  # leading keys ready in the CPU tier
-    pending: bool  # some scanned key is on its way: ask again next step
+    pending: bool  # ask again next step: some scanned key is on its way (or see retry)
+    retry: bool = False  # nothing could start now (no CPU room, existence unknown)
+
+
+# Per-key statuses of `TieringManager.lookup_keys` (also the wire's).
+MISS, HIT, PENDING, RETRY = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +81,7 @@ class TieringManager:
         primary: PrimaryTier,
         tiers: Sequence[SecondaryTier] = (),
         *,
-        lease_steps: int = 32,
+        lease_s: float = 10.0,
         region: Any = None,
         failed_key_memory: int = 100_000,
         max_cascade_backlog: int | None = None,
@@ -82,14 +89,11 @@ class TieringManager:
         promotion_backoff_max_s: float = PROMOTION_BACKOFF_MAX_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if lease_steps < 1:
-            raise ValueError(f"lease_steps must be >= 1, got {lease_steps}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"secondary tier names must be unique, got {names}")
         self.primary = primary
         self.tiers = list(tiers)
-        self.lease_steps = lease_steps
         self.region = region  # closed after the tiers at shutdown, if given
         # A tier slower than the traffic must not pin the whole CPU tier with blocks
         # waiting to be cascaded to it: past this many keys in its backlog, new
@@ -105,9 +109,8 @@ class TieringManager:
         self._queued_cascades: dict[int, list[OffloadKey]] = defaultdict(list)
         self._queued_promotions: dict[tuple[int, ReqId], list[OffloadKey]] = defaultdict(list)
         self._promoting: dict[OffloadKey, int] = {}  # key -> tier, queued or in flight
-        # req -> key -> expiry step; each lease holds one reader on the CPU block.
-        self._leases: dict[ReqId, dict[OffloadKey, int]] = {}
-        self._expiring: dict[int, list[tuple[ReqId, OffloadKey]]] = defaultdict(list)
+        # Blocks a request was told about (hits, landed promotions), held for it.
+        self.leases = Leases(primary, lease_s, clock)
         # (tier, key) whose promotion failed -> until when it is a miss in that tier
         # (inf: the tier lost it; a miss there until it is stored again).
         self._failed: OrderedDict[tuple[int, OffloadKey], float] = OrderedDict()
@@ -122,7 +125,7 @@ class TieringManager:
             ("lookups_pending", "promotions_started", "promotions_landed", "promotions_failed",
              "promotions_refused", "promotions_cancelled", "cascades_queued", "cascades_skipped",
              "cascade_keys_failed",
-             "unknown_job_results", "leases_expired"), 0
+             "unknown_job_results"), 0
         )
         self._promoted_from: dict[str, int] = dict.fromkeys(names, 0)
         # key -> the tier a promotion brought it from, until its first load: what an
@@ -131,34 +134,95 @@ class TieringManager:
 
     # -- the scheduler-facing operations --------------------------------------------
 
-    def lookup(self, keys: Sequence[OffloadKey], req_id: ReqId = None) -> Lookup:
+    def lookup(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
+               tiers: Container[str] | None = None) -> Lookup:
+        """How many leading keys are CPU hits, and whether to ask again: keys after
+        the hits are scanned up to the first one no tier holds, and each a tier
+        holds starts a promotion. The hits are leased to `req_id` (if given) until
+        it loads them, finishes, or `lease_s` passes. `tiers`: the secondary tiers
+        this request may be served from (None: all)."""
         self._poll_once()
+        keys = keys if isinstance(keys, list) else list(keys)
+        hits = self.primary.lookup(keys)
+        if hits and req_id is not None:
+            self.leases.lease(req_id, keys[:hits])
+        pending = retry = False
+        if hits < len(keys):
+            pending, retry = self._scan(keys, hits, req_id, tiers, None)
+        if pending or retry:
+            self._counters["lookups_pending"] += 1
+        return Lookup(hits, pending or retry, retry)
+
+    def lookup_keys(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
+                    tiers: Container[str] | None = None) -> tuple[Lookup, list[int]]:
+        """`lookup` with a status per key (MISS, HIT, PENDING, RETRY), each key on
+        its own: for engines whose layers do not need a leading run (sliding window,
+        hybrid models). Every key a tier holds starts a promotion; CPU hits are
+        leased as in `lookup`."""
+        self._poll_once()
+        keys = keys if isinstance(keys, list) else list(keys)
+        ready = self.primary.is_ready
+        status = [HIT if ready(k) else MISS for k in keys]
+        hit_keys = [k for k, st in zip(keys, status, strict=True) if st == HIT]
+        if hit_keys and req_id is not None:
+            self.leases.lease(req_id, hit_keys)
+        hits = self.primary.lookup(keys)
+        pending, retry = self._scan(keys, 0, req_id, tiers, status)
+        return Lookup(hits, pending or retry, retry), status
+
+    def source_of(self, key: OffloadKey) -> str | None:
+        """The tier a promotion brought `key` from, until its first load (else None:
+        it was stored into the CPU tier, or was loaded since)."""
+        tier = self._origin.get(key)
+        return None if tier is None else self.tiers[tier].name
+
+    def _scan(self, keys: list[OffloadKey], start: int, req_id: ReqId,
+              allowed: Container[str] | None, status: list[int] | None) -> tuple[bool, bool]:
+        """Promote what the keys from `start` need. Without `status`: a leading run,
+        up to the first key no tier holds. With it: every key, its status set.
+        Returns (pending, retry)."""
         primary = self.primary
-        hits = primary.lookup(list(keys))
-        pending = False
+        pending = retry = False
         may_promote = True  # False once a key's existence is still being checked
-        for key in keys[hits:]:
-            if primary.contains(key):
-                if not primary.is_ready(key):
-                    pending = True  # being promoted or stored: readable soon
+        for i in range(start, len(keys)):
+            key = keys[i]
+            if status is not None and status[i] == HIT:
                 continue
-            holder, unknown = self._find_holder(key)
+            if primary.contains(key):
+                if primary.is_ready(key):
+                    continue  # a hit after a gap (leading-run mode)
+                pending = True  # being promoted or stored: readable soon
+                if status is not None:
+                    status[i] = PENDING
+                continue
+            holder, unknown = self._find_holder(key, allowed)
             if holder is None:
-                if not unknown:
+                if unknown:  # a shared tier is asked whether it holds the key
+                    retry, may_promote = True, False
+                    if status is not None:
+                        status[i] = RETRY
+                    continue
+                if status is None:
                     break  # no tier holds it: the prefix ends here
-                pending, may_promote = True, False
                 continue
             if not may_promote:
-                pending = True
+                retry = True
+                if status is not None:
+                    status[i] = RETRY
                 continue
-            pending = True
             if not self._start_promotion(key, holder, req_id):
                 # Every CPU block is busy (being written, read or cascaded): that
                 # passes, and loading beats recomputing, so the engine asks again.
-                break
-        if pending:
-            self._counters["lookups_pending"] += 1
-        return Lookup(hits, pending)
+                retry = True
+                if status is None:
+                    break
+                status[i] = RETRY
+                may_promote = False
+                continue
+            pending = True
+            if status is not None:
+                status[i] = PENDING
+        return pending, retry
 
     def prepare_store(
         self, keys: Iterable[OffloadKey], req_id: ReqId = None
@@ -198,12 +262,9 @@ class TieringManager:
             if tier is not None:
                 name = self.tiers[tier].name
                 sources[name] = sources.get(name, 0) + 1
-        leases = self._leases.get(req_id)
-        if leases:
-            mine = [k for k in keys if leases.pop(k, None) is not None]
+        mine = self.leases.take(req_id, keys)
+        if mine:
             self.primary.release(mine)  # the load's own reader protects them now
-            if not leases:
-                del self._leases[req_id]
         return block_ids, sources
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
@@ -216,9 +277,8 @@ class TieringManager:
 
     def finish(self, req_id: ReqId) -> None:
         """The request is done: its leases end and its unsent promotions are cancelled."""
-        leases = self._leases.pop(req_id, None)
-        if leases:
-            self.primary.release(list(leases))
+        if req_id is not None:
+            self.leases.end(req_id)
         for (tier, req), keys in list(self._queued_promotions.items()):
             if req == req_id:
                 del self._queued_promotions[(tier, req)]
@@ -230,7 +290,7 @@ class TieringManager:
     def step(self) -> None:
         """End the step: apply completions (once), expire leases, flush jobs."""
         self._poll_once()
-        self._expire_leases()
+        self.leases.expire()
         self._flush()
         self.step_count += 1
         self._polled = False
@@ -255,7 +315,8 @@ class TieringManager:
                 **self._counters,
                 "promotions_in_flight": len(self._promoting),
                 "cascades_in_flight": len(self._cascades),
-                "leases": sum(len(v) for v in self._leases.values()),
+                "leases": len(self.leases),
+                "leases_expired": self.leases.expired,
             },
         }
 
@@ -272,8 +333,7 @@ class TieringManager:
                 f"key {key.hex()} is being promoted but is not a writing block")
         owed: dict[OffloadKey, int] = {}
         cascaded = [keys for _, keys in self._cascades.values()]
-        for keys in [*cascaded, *self._queued_cascades.values(),
-                     *(list(leases) for leases in self._leases.values())]:
+        for keys in [*cascaded, *self._queued_cascades.values(), list(self.leases.held_keys())]:
             for key in keys:
                 owed[key] = owed.get(key, 0) + 1
         for key, n in owed.items():
@@ -298,10 +358,7 @@ class TieringManager:
                 log.warning("tier %s did not drain within %.1fs", tier.name, timeout)
         self._polled = False
         self._poll_once()
-        for leases in self._leases.values():
-            self.primary.release(list(leases))
-        self._leases.clear()
-        self._expiring.clear()
+        self.leases.clear()
         self._forget_origin(self.primary.clear())
 
     def shutdown(self) -> None:
@@ -320,10 +377,13 @@ class TieringManager:
 
     # -- internals -------------------------------------------------------------------
 
-    def _find_holder(self, key: OffloadKey) -> tuple[int | None, bool]:
+    def _find_holder(self, key: OffloadKey,
+                     allowed: Container[str] | None = None) -> tuple[int | None, bool]:
         """The first tier that holds `key`, and whether some tier does not know yet."""
         unknown = False
         for t, tier in enumerate(self.tiers):
+            if allowed is not None and tier.name not in allowed:
+                continue
             if self._failed and self._backing_off(t, key):
                 continue
             found = tier.lookup(key)
@@ -422,25 +482,7 @@ class TieringManager:
         self._promoted_from[self.tiers[promotion.tier].name] += len(landed)
         self._queue_cascade(landed, source=promotion.tier)
         if promotion.req_id is not None:
-            self.primary.acquire(landed)
-            leases = self._leases.setdefault(promotion.req_id, {})
-            expiry = self.step_count + self.lease_steps
-            for key in landed:
-                if key in leases:  # already leased for this request: one reader is enough
-                    self.primary.release([key])
-                leases[key] = expiry
-                self._expiring[expiry].append((promotion.req_id, key))
-
-    def _expire_leases(self) -> None:
-        for req_id, key in self._expiring.pop(self.step_count, ()):
-            leases = self._leases.get(req_id)
-            if leases is None or leases.get(key) != self.step_count:
-                continue  # loaded, finished or renewed meanwhile
-            del leases[key]
-            if not leases:
-                del self._leases[req_id]
-            self.primary.release([key])
-            self._counters["leases_expired"] += 1
+            self.leases.lease(promotion.req_id, landed)
 
     def _forget_origin(self, evicted: Iterable[OffloadKey]) -> None:
         for key in evicted:

@@ -42,9 +42,6 @@ class CpuConfig:
     world_size: int = 1
     policy: str = "lru"
     reuse_threshold: int = 0  # 0: store every block; n: only after n lookups
-    # A promoted block waits this many steps (client steps and broker ticks, see
-    # broker.tick_ms) for its request to load it before it may be evicted.
-    lease_steps: int = 1000
     # Keys waiting to be cascaded to one secondary tier, at most; past it new blocks
     # skip that tier rather than pin the CPU tier. 0: a quarter of num_blocks, >= 64.
     cascade_backlog_blocks: int = 0
@@ -60,6 +57,9 @@ class BrokerConfig:
     worker_address: str = ""
     tier_address: str = ""
     tick_ms: float = 5.0  # a step when no client has stepped for this long
+    # A block a lookup reported as a hit (or promoted) to a request stays there for
+    # it this long after the request last asked, unless it loads it or finishes.
+    lease_s: float = 10.0
     heartbeat_s: float = 0.5  # a peer silent for 3 intervals is dead
     job_timeout_s: float = 30.0  # deadline of one transfer or tier job
     drain_timeout_s: float = 10.0  # how long SIGTERM waits for in-flight jobs
@@ -248,8 +248,6 @@ def _check(c: Config) -> None:
             fail(f"cpu.{key}", f"must be positive, got {getattr(c.cpu, key)}")
     if c.cpu.reuse_threshold < 0:
         fail("cpu.reuse_threshold", "must be >= 0")
-    if c.cpu.lease_steps < 1:
-        fail("cpu.lease_steps", "must be >= 1")
     if c.cpu.cascade_backlog_blocks < 0:
         fail("cpu.cascade_backlog_blocks", "must be >= 0")
     if c.cpu.policy not in known_policies():
@@ -262,7 +260,7 @@ def _check(c: Config) -> None:
             f"x page_size x world_size = {size / 2**30:.1f} GiB of shared memory, "
             f"more than this machine has ({limit / 2**30:.1f} GiB in /dev/shm)",
         )
-    for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s"):
+    for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s", "lease_s"):
         if getattr(c.broker, key) <= 0:
             fail(f"broker.{key}", "must be positive")
     if c.broker.events_address and not c.broker.events_address.startswith(("ipc://", "tcp://")):
