@@ -15,51 +15,40 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from broker.events import EventRouter
+from broker.ops import GroupFailed, StepOps
 from broker.peers import Peer, PeerState, PeerTable, fence, gone
 from broker.registrations import RegistrationRefused, Registrations
 from broker.remote_tier import RemoteTier
 from broker.transfers import Transfer, TransferTracker
-from tierkv.core.errors import ErrorCode, TierError
+from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.loglimit import RateLimitedLog, foreign
-from tierkv.core.primary import BlockStateError
 from tierkv.core.shm import owner_alive
 from tierkv.core.tiering import TieringManager
 from tierkv.node.config import Config
 from tierkv.wire.protocol import (
-    BATCHABLE_OPS,
     AttachedKV,
     AttachKV,
-    BatchRequest,
-    BatchResult,
     Bye,
     ErrorInfo,
-    FinishRequest,
     Heartbeat,
     Inventory,
-    LoadRequest,
-    LoadResult,
-    LookupRequest,
-    LookupResult,
     Message,
-    PollRequest,
+    OpsRequest,
+    OpsResult,
     ProtocolError,
     Ready,
     Refused,
     RegisterKVRequest,
     Reply,
     StatsRequest,
-    StepRequest,
-    StepResult,
-    StoreRequest,
-    StoreResult,
     TierDoneBatch,
     TierHello,
     TierStats,
-    TouchRequest,
     TransferBatch,
     TransferDoneBatch,
     TransferJob,
@@ -67,7 +56,6 @@ from tierkv.wire.protocol import (
     TransferResult,
     Welcome,
     WorkerHello,
-    decode_map,
 )
 
 log = logging.getLogger("broker.core")
@@ -83,12 +71,13 @@ class RunState(enum.Enum):
     STOPPED = "stopped"
 
 
-class RequestError(Exception):
-    """A client request the broker refuses; becomes an error reply."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+@dataclass(eq=False)
+class _Wait:
+    client: bytes
+    request_id: int
+    out: dict[str, Any]  # the answers so far
+    jobs: set[int]
+    deadline: float
 
 
 class BrokerCore:
@@ -113,6 +102,8 @@ class BrokerCore:
         self._job_ids = itertools.count(1)
         self._workers: dict[int, Peer] = {}  # rank -> ready worker
         self.registrations = Registrations()
+        self.step_ops = StepOps(self)
+        self._waiting: list[_Wait] = []  # `ops` requests waiting for jobs to finish
         self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
         self._finished: dict[bytes, list[TransferResult]] = {}
         self.events = EventRouter(publish)
@@ -132,12 +123,18 @@ class BrokerCore:
 
     def on_client(self, client: bytes, msg: Message) -> None:
         self.counters["requests"] += 1
-        request_id = getattr(msg, "id", 0)
         if isinstance(msg, RegisterKVRequest):
             self._register_kv(client, msg)
-            return
-        reply = self._run(client, msg, request_id)
-        self._send("client", client, reply)
+        elif isinstance(msg, StatsRequest):
+            stats = self.stats()
+            if msg.verify:
+                stats["invariants"] = self._check_invariants()
+            self._send("client", client, Reply(msg.id, True, result=stats))
+        elif isinstance(msg, OpsRequest):
+            self._ops(client, msg)
+        else:
+            self.client_error(client, getattr(msg, "id", 0),
+                              ProtocolError(f"op {msg.op!r} is not a client request"))
 
     def internal_error(self, client: bytes, request_id: int, error: Exception) -> None:
         """A request the broker failed to handle (a bug) still gets its reply."""
@@ -150,104 +147,93 @@ class BrokerCore:
         self._send("client", client, Reply(request_id or 0, False,
                                            error=ErrorInfo(error.code.value, str(error))))
 
-    def _run(self, client: bytes, msg: Message, request_id: int) -> Reply:
+    def _ops(self, client: bytes, msg: OpsRequest) -> None:
         try:
-            result = self._dispatch(client, msg)
-            return Reply(request_id, True, result=result)
-        except RequestError as e:
-            self.counters["request_errors"] += 1
-            return Reply(request_id, False, error=ErrorInfo(e.code.value, str(e)))
-        except (BlockStateError, ValueError, TierError) as e:
-            self.counters["request_errors"] += 1
-            return Reply(request_id, False, error=ErrorInfo(ErrorCode.BAD_REQUEST.value, str(e)))
-
-    def _dispatch(self, client: bytes, msg: Message) -> Any:
-        if isinstance(msg, LookupRequest):
-            found = self.manager.lookup(msg.keys, msg.req_id)
-            return LookupResult(found.hits, found.pending)
-        if isinstance(msg, StoreRequest):
-            return self._store(client, msg)
-        if isinstance(msg, LoadRequest):
-            return self._load(client, msg)
-        if isinstance(msg, TouchRequest):
-            self.manager.touch(msg.keys)
-            return None
-        if isinstance(msg, FinishRequest):
-            self.manager.finish(msg.req_id)
-            return None
-        if isinstance(msg, StepRequest):
+            out = self.step_ops.run(client, msg)
+        except ProtocolError as e:
+            self.client_error(client, msg.id, e)
+            return
+        self.counters["request_errors"] += len(out["errors"])
+        if msg.step:
             self.step()
-            return self._collect(client)
-        if isinstance(msg, PollRequest):
-            return self._collect(client)
-        if isinstance(msg, StatsRequest):
-            stats = self.stats()
-            if msg.verify:
-                stats["invariants"] = self._check_invariants()
-            return stats
-        if isinstance(msg, BatchRequest):
-            return self._batch(client, msg)
-        raise RequestError(ErrorCode.BAD_REQUEST, f"op {msg.op!r} is not a client request")
+        if msg.step or msg.poll or msg.wait:
+            out.update(finished=[], events=[], step=self.manager.step_count)
+        wanted = set(msg.wait)
+        if wanted and not self._finished_all(client, wanted) and msg.wait_s > 0:
+            self._waiting.append(_Wait(client, msg.id, out, wanted,
+                                       self.clock() + msg.wait_s))
+            return
+        self._answer(client, msg.id, out)
 
-    def _batch(self, client: bytes, msg: BatchRequest) -> BatchResult:
-        replies = []
-        for i, op in enumerate(msg.ops):
-            try:
-                sub = decode_map(op, allowed=BATCHABLE_OPS)
-            except ProtocolError as e:
-                self.counters["protocol_errors"] += 1
-                replies.append(Reply(i, False, error=ErrorInfo(e.code.value, f"ops[{i}]: {e}")))
-                continue
-            replies.append(self._run(client, sub, i))
-        return BatchResult(replies)
+    def _answer(self, client: bytes, request_id: int, out: dict[str, Any]) -> None:
+        if "finished" in out:
+            out["finished"] = self._finished.pop(client, [])
+            out["events"] = self.events.take(client)
+        self._send("client", client, Reply(request_id, True, result=OpsResult(**out)))
 
-    def _collect(self, client: bytes) -> StepResult:
-        finished = self._finished.pop(client, [])
-        return StepResult(finished, self.events.take(client), self.manager.step_count)
+    def _finished_all(self, client: bytes, wanted: set[int]) -> bool:
+        done = {r.job_id for r in self._finished.get(client, ())}
+        return wanted <= done
+
+    def _answer_waiting(self, expired: bool = False) -> None:
+        """Requests that wait for jobs: answered once the jobs finished, or at their
+        deadline with what finished by then."""
+        now = self.clock()
+        still = []
+        for wait in self._waiting:
+            if self._finished_all(wait.client, wait.jobs) or (expired and now > wait.deadline):
+                self._answer(wait.client, wait.request_id, wait.out)
+            else:
+                still.append(wait)
+        self._waiting = still
 
     # -- transfers (client -> workers) ---------------------------------------------------
 
     def _require_workers(self, what: str) -> list[Peer]:
         if self.state is not RunState.RUNNING:
-            raise RequestError(ErrorCode.UNAVAILABLE,
-                               f"broker is {self.state.value}: no new {what}")
+            raise GroupFailed(ErrorCode.UNAVAILABLE,
+                              f"broker is {self.state.value}: no new {what}")
         workers = []
         for rank in range(self.config.cpu.world_size):
             peer = self._workers.get(rank)
             if peer is None:
-                raise RequestError(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {rank}")
+                raise GroupFailed(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {rank}")
             if not peer.extra.get("kv_attached"):
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE, f"rank {rank} has no KV cache registered"
-                )
+                raise GroupFailed(ErrorCode.UNAVAILABLE,
+                                  f"rank {rank} has no KV cache registered")
             workers.append(peer)
         return workers
 
-    def _store(self, client: bytes, msg: StoreRequest) -> StoreResult:
+    def store(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
+              req_id: str | None) -> tuple[int | None, list[OffloadKey], bool]:
+        """GPU -> CPU tier on every rank: (job id, keys accepted, refused)."""
+        if len(gpu_ids) != len(keys) or any(g < 0 for g in gpu_ids):
+            raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
         workers = self._require_workers("stores")
-        out = self.manager.prepare_store(msg.keys, msg.req_id)
+        out = self.manager.prepare_store(keys, req_id)
         if out is None:
             self.counters["stores_refused"] += 1
-            return StoreResult(None, [], refused=True)
+            return None, [], True
         if not out.keys_to_store:
-            return StoreResult(None, [])
+            return None, [], False
         self.events.own(client, out.keys_to_store)
-        gpu_of = dict(zip(msg.keys, msg.gpu_block_ids, strict=True))
-        gpu_ids = [gpu_of[k] for k in out.keys_to_store]
-        transfer = self._start_transfer(
-            "store", client, out.keys_to_store, gpu_ids, out.block_ids, workers
-        )
+        gpu_of = dict(zip(keys, gpu_ids, strict=True))
+        gpu = [gpu_of[k] for k in out.keys_to_store]
+        transfer = self._start_transfer("store", client, out.keys_to_store, gpu, out.block_ids,
+                                        workers)
         self.counters["stores"] += 1
-        return StoreResult(transfer.job_id, out.keys_to_store)
+        return transfer.job_id, out.keys_to_store, False
 
-    def _load(self, client: bytes, msg: LoadRequest) -> LoadResult:
+    def load(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
+             req_id: str | None) -> tuple[int, dict[str, int]]:
+        """CPU tier -> GPU on every rank: (job id, blocks promoted from each tier)."""
+        if any(g < 0 for g in gpu_ids):
+            raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
         workers = self._require_workers("loads")
-        cpu_ids, sources = self.manager.prepare_load_from(msg.keys, msg.req_id)
-        transfer = self._start_transfer(
-            "load", client, list(msg.keys), list(msg.gpu_block_ids), cpu_ids, workers
-        )
+        cpu_ids, sources = self.manager.prepare_load_from(keys, req_id)
+        transfer = self._start_transfer("load", client, list(keys), gpu_ids, cpu_ids, workers)
         self.counters["loads"] += 1
-        return LoadResult(transfer.job_id, sources)
+        return transfer.job_id, sources
 
     def _start_transfer(
         self, kind: str, client: bytes, keys: list[bytes], gpu_ids: list[int],
@@ -452,6 +438,8 @@ class BrokerCore:
                     pending.request_id, False, error=ErrorInfo(ErrorCode.TIMEOUT.value, why)))
         for peer in self.peers.due_heartbeat(now):
             self._send_peer(peer, Heartbeat())
+        if self._waiting:
+            self._answer_waiting(expired=True)
         if self._quarantine:
             self._release_quarantined()
 
@@ -545,6 +533,8 @@ class BrokerCore:
                 finished.pop(0)
                 self.counters["dropped_results"] += 1
             finished.append(transfer.result())
+        if self._waiting:
+            self._answer_waiting()
 
     # -- shutdown ------------------------------------------------------------------
 

@@ -6,6 +6,13 @@
     s = c.store(keys, gpu_block_ids, req_id="r1")
     done = c.step()                            # Step(finished, events)
 
+An engine sends all the operations of one step in one round trip: `c.batch()`
+collects them (`b.lookup(...)`, `b.pin(...)`, `b.reserve(...)`, `b.step()`, ...) and
+`b.send()` sends one `ops` message with every key in one blob (protocol v2, see
+`tierkv.wire.protocol`) and returns one result per call, in call order. The broker
+runs the sections in a fixed order (commit, release, finish, lookup, pin, reserve,
+touch, store, load, then step), whatever the order of the calls.
+
 Every call waits at most `timeout` seconds and then raises `BrokerUnavailable`
 (the socket is rebuilt, so a broker that restarts is found again). A refusal by
 the broker is a `RemoteError` with a `code` from `tierkv.core.errors.ErrorCode`.
@@ -15,6 +22,10 @@ Ordering contract for stores: call `store` only after the engine step that
 wrote those GPU blocks has synchronized its output; the worker reads them as soon
 as the job arrives. A `load` has landed in the GPU blocks when its job is in a
 `Step.finished` with `success=True`.
+
+Engines that copy the bytes themselves (`reserve`/`commit`, `pin`/`release`) write
+and read the rows of the node's shared CPU region whose ids these calls return:
+write a reserved row, then `commit` it; read a pinned row, then `release` it.
 """
 
 from __future__ import annotations
@@ -23,50 +34,83 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import zmq
 
-from tierkv.core.keys import OffloadKey, check_keys
+from tierkv.core.keys import OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
+from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
-    BatchRequest,
-    BatchResult,
-    FinishRequest,
-    LoadRequest,
-    LoadResult,
-    LookupRequest,
-    LookupResult,
+    LOOKUP_STATUSES,
+    KeyGroups,
     Message,
-    PollRequest,
+    OpsRequest,
+    OpsResult,
     ProtocolError,
     RegisterKVRequest,
     Reply,
+    RequestContext,
     StatsRequest,
-    StepRequest,
-    StepResult,
-    StoreRequest,
-    StoreResult,
-    TouchRequest,
     TransferResult,
     decode,
     encode,
-    to_map,
     to_record,
 )
 from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, ipc_path, make_socket
 
-# The names of DESIGN's public API.
-Lookup = LookupResult
-Store = StoreResult
-Load = LoadResult
-Step = StepResult
+T = TypeVar("T")
 JobResult = TransferResult
 
-T = TypeVar("T")
+__all__ = ["Batch", "BrokerUnavailable", "Client", "JobResult", "Load", "Lookup",
+           "ProtocolError", "RemoteError", "RequestContext", "Reserve", "Step", "Store"]
 
-__all__ = ["BrokerUnavailable", "Client", "JobResult", "Load", "Lookup", "ProtocolError",
-           "RemoteError", "Step", "Store"]
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    hits: int  # leading keys ready in the CPU tier (leased to the request, if named)
+    pending: bool  # ask again next step: promotions are on their way (or see retry)
+    retry: bool = False  # nothing could start now (no CPU room, existence unknown)
+    statuses: list[str] | None = None  # per key, when asked: miss, hit, pending, retry
+    sources: list[str | None] | None = None  # per key: the tier a hit was promoted from
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    job_id: int | None  # None when no key needed storing, or the store was refused
+    keys_accepted: list[bytes]
+    refused: bool = False  # no room could be made (blocks busy): try again later
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    job_id: int
+    # Of the loaded keys, how many a promotion brought from each secondary tier
+    # (counted once per promoted block, at its first load); the rest were CPU hits.
+    sources: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """CPU blocks to write for the keys, co-indexed (-1: nothing to write, the key is
+    present or not admitted); `ok` False: no room now, nothing was reserved."""
+
+    block_ids: list[int]
+    ok: bool
+    evicted: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    finished: list[JobResult]
+    events: list[OffloadEvent]
+    step: int = 0
+
+
+# The names DESIGN's public API used before protocol v2.
+LookupResult, StoreResult, LoadResult, StepResult = Lookup, Store, Load, Step
 
 
 class BrokerUnavailable(ConnectionError):
@@ -94,7 +138,7 @@ class Client:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._held: list[JobResult] = []  # finished while `wait` looked for others
-        self._held_events: list[Any] = []
+        self._held_events: list[OffloadEvent] = []
         self.registration_tokens: dict[int, str] = {}  # rank -> what replaces ours
         self._connect()
 
@@ -105,71 +149,92 @@ class Client:
         return cls(config.connect_address("client"), timeout=config.client.timeout_s,
                    curve=config.client.curve_keys())
 
-    # -- the API -------------------------------------------------------------------
+    # -- one operation per round trip --------------------------------------------------
 
-    def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Lookup:
-        return self._call(LookupRequest(self._id(), check_keys(keys), req_id), Lookup)
+    def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None,
+               status: bool = False) -> Lookup:
+        """Leading CPU hits (leased to `req_id` until it loads them, finishes, or
+        `broker.lease_s` passes), and whether to ask again; `status`: also a status
+        and a source per key (sliding-window and hybrid layers)."""
+        return self.batch().lookup(keys, req_id, status).send_one()
 
-    def store(
-        self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int], req_id: str | None = None
-    ) -> Store:
+    def store(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int],
+              req_id: str | None = None) -> Store:
         """GPU -> CPU tier on every rank. `keys_accepted` are the keys actually
         stored (absent, admitted, room made); the job id is None when there are none.
         `refused` says room could not be made now (blocks in use): ask again later."""
-        return self._call(
-            StoreRequest(self._id(), check_keys(keys), list(gpu_block_ids), req_id), Store
-        )
+        return self.batch().store(keys, gpu_block_ids, req_id).send_one()
 
-    def load(
-        self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int], req_id: str | None = None
-    ) -> Load:
+    def load(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int],
+             req_id: str | None = None) -> Load:
         """CPU tier -> GPU on every rank. The keys must be hits (see `lookup`)."""
-        return self._call(
-            LoadRequest(self._id(), check_keys(keys), list(gpu_block_ids), req_id), Load
-        )
+        return self.batch().load(keys, gpu_block_ids, req_id).send_one()
+
+    def reserve(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Reserve:
+        """Allocate CPU blocks the engine writes itself (no copy is dispatched)."""
+        return self.batch().reserve(keys, req_id).send_one()
+
+    def commit(self, keys: Sequence[OffloadKey], ok: bool = True) -> None:
+        """Reserved blocks were written (they become hits), or not (`ok` False: freed)."""
+        self.batch().commit(keys, ok).send_one()
+
+    def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> list[int]:
+        """Protect ready blocks the engine reads itself; their CPU block ids."""
+        return self.batch().pin(keys, req_id).send_one()
+
+    def release(self, keys: Sequence[OffloadKey]) -> None:
+        """Pinned blocks were read (a completed read counts as a use)."""
+        self.batch().release(keys).send_one()
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self._call(TouchRequest(self._id(), check_keys(keys)), None)
+        self.batch().touch(keys).send_one()
 
     def finish(self, req_id: str) -> None:
-        """The request is done: its promoted blocks lose their lease."""
-        self._call(FinishRequest(self._id(), req_id), None)
+        """The request is done: its leased and promoted blocks lose their lease."""
+        self.batch().finish(req_id).send_one()
 
     def step(self) -> Step:
         """End an engine step: completions are applied; returns what finished."""
-        return self._with_held(self._call(StepRequest(self._id()), Step))
+        return self._with_held(self.batch().step().send_one())
 
     def poll(self) -> Step:
         """Finished jobs and events so far, without ending a step."""
-        return self._with_held(self._call(PollRequest(self._id()), Step))
+        return self._with_held(self.batch().poll().send_one())
 
-    def wait(self, job_ids: Sequence[int | None], timeout: float | None = None,
-             interval: float = 0.002) -> dict[int, JobResult]:
-        """Step until every job in `job_ids` finished (None ids are skipped).
-        Jobs that finish meanwhile but were not asked for are kept for the next
-        `step`/`poll`. Raises TimeoutError naming the missing jobs."""
+    def wait(self, job_ids: Sequence[int | None],
+             timeout: float | None = None) -> dict[int, JobResult]:
+        """Until every job in `job_ids` finished (None ids are skipped): the broker
+        answers when they have, so nothing polls. Jobs that finish meanwhile but were
+        not asked for are kept for the next `step`/`poll`. Raises TimeoutError naming
+        the missing jobs."""
         wanted = {j for j in job_ids if j is not None}
         done: dict[int, JobResult] = {}
-        deadline = time.monotonic() + (timeout or self.timeout)
+        limit = timeout or self.timeout
+        deadline = time.monotonic() + limit
+        for result in self._held[:]:
+            if result.job_id in wanted:
+                done[result.job_id] = result
+                self._held.remove(result)
         while wanted - done.keys():
-            step = self._call(StepRequest(self._id()), Step)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"jobs {sorted(wanted - done.keys())} did not finish "
+                                   f"within {limit:.1f}s")
+            batch = self.batch().step()
+            batch.wait_for(sorted(wanted - done.keys()), min(left, self.timeout / 2))
+            step = batch.send_one(timeout=min(left, self.timeout / 2) + self.timeout / 2)
             for result in step.finished:
                 if result.job_id in wanted:
                     done[result.job_id] = result
                 else:
                     self._held.append(result)
             self._held_events.extend(step.events)
-            if wanted - done.keys():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"jobs {sorted(wanted - done.keys())} did not finish "
-                                       f"within {timeout or self.timeout:.1f}s")
-                time.sleep(interval)
         return done
 
     def stats(self, verify: bool = False) -> dict[str, Any]:
         """The node's figures; `verify=True` also checks the block-state invariants
         (`result["invariants"] == "ok"`), which costs a pass over every block."""
-        return self._call(StatsRequest(self._id(), verify), None)
+        return self._unwrap(self._roundtrip(StatsRequest(self._id(), verify), self.timeout))
 
     def register_kv(
         self, rank: int, registration: dict[str, Any], timeout: float | None = None,
@@ -182,15 +247,15 @@ class Client:
         given that `token`, or any client once that engine has exited. A
         registration the worker cannot open leaves the working one in place."""
         token = token if token is not None else self.registration_tokens.get(rank, "")
-        reply = self._call(RegisterKVRequest(self._id(), rank, registration, token), None,
-                           timeout)
+        request = RegisterKVRequest(self._id(), rank, registration, token)
+        reply = self._unwrap(self._roundtrip(request, timeout or self.timeout))
         if isinstance(reply, dict) and reply.get("token"):
             self.registration_tokens[rank] = reply["token"]
         return reply
 
     def batch(self) -> Batch:
-        """Collect operations and send them in one round trip: `b = c.batch();
-        b.lookup(...); b.store(...); results = b.send()`."""
+        """Collect one engine step's operations and send them in one round trip:
+        `b = c.batch(); b.lookup(...); b.store(...); results = b.send()`."""
         return Batch(self)
 
     # -- plumbing --------------------------------------------------------------------
@@ -226,10 +291,12 @@ class Client:
         connect(sock, self.address)
         self._sock = sock
 
-    def _call(self, msg: Message, result_type: type[T] | None,
-              timeout: float | None = None) -> Any:
-        reply = self._roundtrip(msg, timeout or self.timeout)
-        return _unwrap(reply, result_type)
+    @staticmethod
+    def _unwrap(reply: Reply) -> Any:
+        if not reply.ok:
+            error = reply.error
+            raise RemoteError(error.code if error else "unknown", error.message if error else "")
+        return reply.result
 
     def _roundtrip(self, msg: Message, timeout: float) -> Reply:
         if self._sock is None:
@@ -265,71 +332,226 @@ class Client:
     def _give_up(self, timeout: float) -> None:
         self._connect()  # drop whatever is queued; a restarted broker is found again
         raise BrokerUnavailable(
-            f"no reply from the broker at {self.address} within {timeout:.1f}s "
-            "(client.timeout_s)"
+            f"no broker reply from {self.address} within {timeout:.1f}s (client.timeout_s)"
         )
 
 
+class _Section:
+    """One section of a batch: its groups of keys (one per call), in call order."""
+
+    __slots__ = ("calls", "extra", "groups", "req_ids")
+
+    def __init__(self) -> None:
+        self.groups: list[Sequence[OffloadKey]] = []
+        self.req_ids: list[str] = []
+        self.extra: list[Any] = []  # per call: gpu ids (store, load) or ok (commit)
+        self.calls: list[int] = []  # the result slot of each group
+
+
+_SECTIONS = ("commit", "release", "lookup", "pin", "reserve", "touch", "store", "load",
+             "queue")
+
+
 class Batch:
-    """Operations of one engine step, sent together and run in order."""
+    """Operations of one engine step, sent together in one `ops` message."""
 
     def __init__(self, client: Client) -> None:
         self._client = client
-        self._ops: list[tuple[Message, type | None]] = []
+        self._sections: dict[str, _Section] = {}
+        self._finish: list[str] = []
+        self._contexts: list[RequestContext] = []
+        self._status = False
+        self._step = self._poll = False
+        self._wait: list[int] = []
+        self._wait_s = 0.0
+        self._slots: list[tuple[str, int]] = []  # per call: (kind, index in its section)
 
-    def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
-        self._ops.append((LookupRequest(0, check_keys(keys), req_id), Lookup))
+    def _add(self, name: str, keys: Sequence[OffloadKey], req_id: str | None = None,
+             extra: Any = None) -> Batch:
+        section = self._sections.setdefault(name, _Section())
+        section.groups.append(check_keys(keys))
+        section.req_ids.append(req_id or "")
+        section.extra.append(extra)
+        self._slots.append((name, len(section.groups) - 1))
         return self
+
+    def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None,
+               status: bool = False) -> Batch:
+        self._status = self._status or status
+        return self._add("lookup", keys, req_id, status)
 
     def store(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int],
               req_id: str | None = None) -> Batch:
-        self._ops.append((StoreRequest(0, check_keys(keys), list(gpu_block_ids), req_id), Store))
-        return self
+        return self._add("store", keys, req_id, _ids(gpu_block_ids, keys))
 
     def load(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int],
              req_id: str | None = None) -> Batch:
-        self._ops.append((LoadRequest(0, check_keys(keys), list(gpu_block_ids), req_id), Load))
-        return self
+        return self._add("load", keys, req_id, _ids(gpu_block_ids, keys))
+
+    def reserve(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
+        return self._add("reserve", keys, req_id)
+
+    def commit(self, keys: Sequence[OffloadKey], ok: bool = True) -> Batch:
+        return self._add("commit", keys, None, bool(ok))
+
+    def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
+        return self._add("pin", keys, req_id)
+
+    def release(self, keys: Sequence[OffloadKey]) -> Batch:
+        return self._add("release", keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> Batch:
-        self._ops.append((TouchRequest(0, check_keys(keys)), None))
+        return self._add("touch", keys)
+
+    def waiting(self, requests: Sequence[Sequence[OffloadKey]]) -> Batch:
+        """The prefix keys of requests waiting in the engine's queue (advice)."""
+        for keys in requests:
+            self._add("queue", keys)
         return self
 
     def finish(self, req_id: str) -> Batch:
-        self._ops.append((FinishRequest(0, req_id), None))
+        self._finish.append(req_id)
+        self._slots.append(("finish", 0))
+        return self
+
+    def context(self, context: RequestContext) -> Batch:
+        """What the engine knows of a request: tiers it may use, session, hints."""
+        self._contexts.append(context)
         return self
 
     def step(self) -> Batch:
-        self._ops.append((StepRequest(0), Step))
+        self._step = True
+        self._slots.append(("step", 0))
         return self
 
-    def send(self) -> list[Any]:
-        """One result per operation, in order; a refused operation's slot holds its
+    def poll(self) -> Batch:
+        self._poll = True
+        self._slots.append(("step", 0))
+        return self
+
+    def wait_for(self, job_ids: Sequence[int], seconds: float) -> Batch:
+        """Have the broker answer only once these jobs finished (or `seconds` passed)."""
+        self._wait, self._wait_s = list(job_ids), seconds
+        return self
+
+    def request(self, request_id: int) -> OpsRequest:
+        """The one `ops` message these calls make."""
+        keys: list[OffloadKey] = []
+        fields: dict[str, Any] = {}
+        for name in _SECTIONS:
+            section = self._sections.get(name)
+            if section is None:
+                continue
+            for group in section.groups:
+                keys.extend(group)
+            req_ids = section.req_ids if any(section.req_ids) else []
+            fields[name] = KeyGroups(pack_counts([len(g) for g in section.groups]), req_ids)
+            if name == "commit":
+                fields["commit_ok"] = bytes(section.extra)
+            elif name in ("store", "load"):
+                fields[f"{name}_gpu"] = np.concatenate(
+                    [np.asarray(e, "<i4") for e in section.extra]).tobytes()
+        blob, width, lens = pack_keys(keys)
+        return OpsRequest(request_id, blob, width, lens, finish=self._finish,
+                          contexts=self._contexts, lookup_status=self._status,
+                          step=self._step, poll=self._poll, wait=self._wait,
+                          wait_s=self._wait_s, **fields)
+
+    def send(self, timeout: float | None = None) -> list[Any]:
+        """One result per call, in call order; a refused call's slot holds its
         `RemoteError` (the others still ran)."""
-        ops, self._ops = self._ops, []
-        request = BatchRequest(self._client._id(), [to_map(m) for m, _ in ops])
-        batch: BatchResult = self._client._call(request, BatchResult)
-        results: list[Any] = []
-        for (_, result_type), reply in zip(ops, batch.results, strict=True):
-            try:
-                results.append(_unwrap(reply, result_type))
-            except RemoteError as e:
-                results.append(e)
-        return results
+        client = self._client
+        request = self.request(client._id())
+        result = client._unwrap(client._roundtrip(request, timeout or client.timeout))
+        answers = result if isinstance(result, OpsResult) else to_record(OpsResult, result)
+        return _Answers(self, answers).in_call_order()
+
+    def send_one(self, timeout: float | None = None) -> Any:
+        """`send` for a batch of one call: its result, or its RemoteError raised."""
+        (result,) = self.send(timeout)
+        if isinstance(result, RemoteError):
+            raise result
+        return result
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self._slots)
 
 
-def _unwrap(reply: Reply, result_type: type[T] | None) -> Any:
-    if not reply.ok:
-        error = reply.error
-        raise RemoteError(error.code if error else "unknown", error.message if error else "")
-    if result_type is None or reply.result is None:
-        return reply.result
-    if isinstance(reply.result, result_type):
-        return reply.result
-    return to_record(result_type, reply.result)
+def _ids(gpu_block_ids: Sequence[int], keys: Sequence[OffloadKey]) -> list[int]:
+    ids = list(gpu_block_ids)
+    if len(ids) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
+    return ids
+
+
+class _Answers:
+    """An `OpsResult` read back into one result per call."""
+
+    def __init__(self, batch: Batch, result: OpsResult) -> None:
+        self.batch = batch
+        self.r = result
+        self.errors = {(e.section, e.index): RemoteError(e.code, e.message)
+                       for e in result.errors}
+        self._cache: dict[str, Any] = {}
+
+    def in_call_order(self) -> list[Any]:
+        out: list[Any] = []
+        for name, index in self.batch._slots:
+            error = self.errors.get((name, index))
+            out.append(error if error is not None else self.answer(name, index))
+        return out
+
+    def _array(self, field_name: str, dtype: str) -> list[Any]:
+        if field_name not in self._cache:
+            data = getattr(self.r, field_name)
+            self._cache[field_name] = np.frombuffer(data, dtype=dtype).tolist()
+        return self._cache[field_name]
+
+    def _span(self, name: str, index: int) -> tuple[int, int]:
+        """Where group `index` of a section sits in that section's per-key arrays."""
+        offsets = self._cache.get(f"offsets:{name}")
+        if offsets is None:
+            sizes = [len(g) for g in self.batch._sections[name].groups]
+            offsets = self._cache[f"offsets:{name}"] = [0, *itertools.accumulate(sizes)]
+        return offsets[index], offsets[index + 1]
+
+    def answer(self, name: str, index: int) -> Any:
+        section = self.batch._sections.get(name)
+        if name == "lookup":
+            return self._lookup(index, section)
+        if name == "pin":
+            a, b = self._span(name, index)
+            return self._array("pinned", "<i4")[a:b]
+        if name == "reserve":
+            a, b = self._span(name, index)
+            evicted = self._cache.setdefault("evicted", unpack_keys(
+                self.r.evicted, 0, self.r.evicted_lens, "evicted"))
+            ok = bool(self._array("reserve_ok", "u1")[index])
+            return Reserve(self._array("reserved", "<i4")[a:b], ok, evicted if ok else [])
+        if name == "store":
+            a, b = self._span(name, index)
+            job = self._array("store_jobs", "<i8")[index]
+            accepted = self._array("store_accepted", "u1")[a:b]
+            assert section is not None
+            keys = [k for k, took in zip(section.groups[index], accepted, strict=True) if took]
+            return Store(None if job < 0 else job, keys,
+                         bool(self._array("store_refused", "u1")[index]))
+        if name == "load":
+            return Load(self._array("load_jobs", "<i8")[index], self.r.load_sources[index])
+        if name == "step":
+            return Step(self.r.finished, self.r.events, self.r.step)
+        return None  # commit, release, touch, finish, queue
+
+    def _lookup(self, index: int, section: _Section | None) -> Lookup:
+        hits = self._array("hits", "<i4")[index]
+        state = self._array("state", "u1")[index]
+        statuses = sources = None
+        if section is not None and section.extra[index]:
+            a, b = self._span("lookup", index)
+            statuses = [LOOKUP_STATUSES[s] for s in self._array("status", "u1")[a:b]]
+            tiers = self.r.tiers
+            sources = [tiers[s - 1] if s else None for s in self._array("sources", "u1")[a:b]]
+        return Lookup(hits, state != 0, state == 2, statuses, sources)
 
 
 def _ms_left(deadline: float) -> int:

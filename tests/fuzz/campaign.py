@@ -64,38 +64,60 @@ def mutate(payload: bytes, rng: random.Random) -> bytes:
     return os.urandom(rng.randrange(1, 200))  # random bytes
 
 
+def groups(counts: list[int], rng: random.Random) -> dict:
+    g: dict = {"counts": b"".join(c.to_bytes(4, "little", signed=True) for c in counts)}
+    if rng.random() < 0.5:
+        g["req_ids"] = [rng.choice(["r", "", "x" * 300]) for _ in counts]
+    return g
+
+
 def client_input(rng: random.Random) -> bytes:
     i = rng.randrange(2**31)
-    k = [os.urandom(8)]
+    w = 16
+    k = os.urandom(w)
+
+    def ops(**fields: object) -> dict:
+        return {"v": V, "op": "ops", "id": i, **fields}
+
     choices: list[Callable[[], object]] = [
         lambda: os.urandom(rng.randrange(1, 300)),
-        lambda: {"v": V, "op": rng.choice(["nuke", "", "reply", "tier_hello", "transfer"]),
-                 "id": i},
+        lambda: {"v": V, "op": rng.choice(["nuke", "", "reply", "tier_hello", "transfer",
+                                           "lookup", "batch"]), "id": i},
         lambda: {"v": junk(rng), "op": "stats", "id": i},
         lambda: {"v": "x" * rng.randrange(10_000, 2_000_000), "op": "stats", "id": i},
-        lambda: {"v": V, "op": "lookup", "id": junk(rng), "keys": junk(rng)},
-        lambda: {"v": V, "op": "lookup", "id": i, "keys": [b""] + k},
-        lambda: {"v": V, "op": "lookup", "id": i, "keys": [b"k" * 65]},
-        lambda: {"v": V, "op": "store", "id": i, "keys": k * 3, "gpu_block_ids": [-1, 2**40, 3]},
-        lambda: {"v": V, "op": "load", "id": i, "keys": k, "gpu_block_ids": [2**62]},
-        lambda: {"v": V, "op": "batch", "id": i, "ops": [junk(rng), {"op": "batch"}]},
-        lambda: {"v": V, "op": "batch", "id": i,
-                 "ops": [{"v": V, "op": "step", "id": 0}] * rng.randrange(1, 300)},
+        lambda: ops(keys=junk(rng), key_len=junk(rng), lookup=junk(rng)),
+        lambda: ops(keys=k * 3, key_len=w, lookup=groups([rng.randrange(-3, 6)], rng)),
+        lambda: ops(keys=k * 3, key_len=rng.choice([0, 5, 65, -1]),
+                    lookup=groups([3], rng)),
+        lambda: ops(keys=k * 2, key_lens=bytes([rng.randrange(0, 70), 16]),
+                    lookup=groups([2], rng)),
+        lambda: ops(keys=k * 3, key_len=w, store=groups([3], rng),
+                    store_gpu=b"".join(x.to_bytes(4, "little", signed=True)
+                                       for x in (-1, 2**31 - 1, 3))),
+        lambda: ops(keys=k, key_len=w, load=groups([1], rng), load_gpu=b"\xff" * 4),
+        lambda: ops(keys=k * 2, key_len=w, pin=groups([2], rng)),
+        lambda: ops(keys=k * 2, key_len=w, commit=groups([2], rng), commit_ok=b"\x01"),
+        lambda: ops(keys=k * 2, key_len=w, reserve=groups([1, 1], rng)),
+        lambda: ops(keys=k * 2, key_len=w, release=groups([2], rng)),
+        lambda: ops(keys=k * 300, key_len=w, lookup=groups([1] * 300, rng), lookup_status=True),
+        lambda: ops(wait=[rng.randrange(10**9)], wait_s=rng.choice([0.01, -1.0, 1e9])),
+        lambda: ops(contexts=[{"req_id": "r", "tiers": junk(rng), "hints": junk(rng)}]),
+        lambda: ops(finish=["r" * rng.randrange(100_000)], step=True),
         lambda: {"v": V, "op": "kv_register", "id": i, "rank": rng.choice([0, -1, 99, 2**40]),
                  "registration": junk(rng)},
         lambda: {"v": V, "op": "kv_register", "id": i, "rank": 0, "registration": {"x": 1}},
-        lambda: {"v": V, "op": "finish", "id": i, "req_id": "r" * rng.randrange(100_000)},
         lambda: {"v": V, "op": "stats", "id": i, "verify": junk(rng)},
         lambda: {rng.randrange(10): 1},  # integer map keys
     ]
     raw: list[Callable[[], bytes]] = [
         lambda: b"\x85" + b"".join(map(pack, ("v", V, "op", "kv_register", "id", i, "rank", 0,
                                                "registration"))) + deep(rng.randrange(9, 1000)),
-        lambda: b"\x83\xa1v" + bytes([V]) + b"\xa2op\xa6lookup\xa4keys" + huge_array(300_000),
+        lambda: b"\x84" + b"".join(map(pack, ("v", V, "op", "ops", "id", i, "finish")))
+        + huge_array(300_000),
         lambda: deep(rng.randrange(100, 2000)),
-        lambda: mutate(pack({"v": V, "op": "lookup", "id": i, "keys": k * 4}), rng),
-        lambda: mutate(pack({"v": V, "op": "store", "id": i, "keys": k, "gpu_block_ids": [1]}),
-                       rng),
+        lambda: mutate(pack(ops(keys=k * 4, key_len=w, lookup=groups([4], rng))), rng),
+        lambda: mutate(pack(ops(keys=k, key_len=w, store=groups([1], rng),
+                                store_gpu=b"\x01\x00\x00\x00")), rng),
     ]
     if rng.random() < 0.25:
         return rng.choice(raw)()

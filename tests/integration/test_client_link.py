@@ -3,6 +3,7 @@ the README, with REQ as well as DEALER sockets, against a real broker process.""
 
 from __future__ import annotations
 
+import struct
 import time
 
 import msgpack
@@ -11,6 +12,7 @@ import zmq
 
 from tests.integration.cluster import keys
 from tierkv.client import BrokerUnavailable, Client
+from tierkv.wire.protocol import PROTOCOL_VERSION as V
 
 
 def roundtrip(sock: zmq.Socket, request: dict) -> dict:
@@ -28,14 +30,20 @@ def test_a_plain_req_client_gets_its_reply(make_cluster):
     req.setsockopt(zmq.LINGER, 0)
     try:
         req.connect(cluster.config.connect_address("client"))
-        reply = roundtrip(req, {"v": 1, "op": "stats", "id": 7})
+        reply = roundtrip(req, {"v": V, "op": "stats", "id": 7})
         assert reply["op"] == "reply" and reply["id"] == 7 and reply["ok"] is True
         assert reply["result"]["instance"] == cluster.config.instance
-        # A REQ socket alternates send and receive: a second request works too.
-        reply = roundtrip(req, {"v": 1, "op": "lookup", "id": 8, "keys": keys(1, 2)})
-        assert reply["ok"] and reply["result"]["hits"] == 0
-        bad = roundtrip(req, {"v": 1, "op": "lookup", "id": 9, "keys": "not a list"})
+        # A REQ socket alternates send and receive: a second request works too. The
+        # lookup of the README's wire format: two keys of one request, in one blob.
+        reply = roundtrip(req, {"v": V, "op": "ops", "id": 8, "keys": b"".join(keys(1, 2)),
+                                "key_len": 9, "lookup": {"counts": struct.pack("<i", 2),
+                                                         "req_ids": ["r1"]}})
+        assert reply["ok"] and struct.unpack("<i", reply["result"]["hits"]) == (0,)
+        assert reply["result"]["state"] == b"\x00"  # answered: nothing to wait for
+        bad = roundtrip(req, {"v": V, "op": "ops", "id": 9, "keys": b"x" * 10, "key_len": 9})
         assert bad["ok"] is False and bad["error"]["code"] == "protocol" and bad["id"] == 9
+        old = roundtrip(req, {"v": 1, "op": "lookup", "id": 10, "keys": keys(1)})
+        assert old["ok"] is False and "protocol version 1" in old["error"]["message"]
     finally:
         req.close()
 
@@ -46,7 +54,7 @@ def test_a_raw_dealer_client_gets_its_reply_without_an_envelope(make_cluster):
     dealer.setsockopt(zmq.LINGER, 0)
     try:
         dealer.connect(cluster.config.connect_address("client"))
-        reply = roundtrip(dealer, {"v": 1, "op": "stats", "id": 1})
+        reply = roundtrip(dealer, {"v": V, "op": "stats", "id": 1})
         assert reply["ok"] and reply["id"] == 1
     finally:
         dealer.close()

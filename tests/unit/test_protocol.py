@@ -11,37 +11,31 @@ from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadEvent
 from tierkv.tiers.base import Job, JobKind, JobResult
 from tierkv.wire.codec import _MESSAGES
+from tierkv.wire.keyblob import pack_counts, unpack_keys
 from tierkv.wire.protocol import (
-    MAX_KEYS,
     PROTOCOL_VERSION,
     AttachedKV,
     AttachKV,
-    BatchRequest,
-    BatchResult,
     Bye,
     ErrorInfo,
     EventBatch,
-    FinishRequest,
     Heartbeat,
     Inventory,
-    LoadRequest,
-    LookupRequest,
-    LookupResult,
-    PollRequest,
+    KeyGroups,
+    OpError,
+    OpsRequest,
+    OpsResult,
     ProtocolError,
     Ready,
     Refused,
     RegisterKVRequest,
     Reply,
+    RequestContext,
     StatsRequest,
-    StepRequest,
-    StepResult,
-    StoreRequest,
     TierDoneBatch,
     TierHello,
     TierJobBatch,
     TierStats,
-    TouchRequest,
     TransferBatch,
     TransferDoneBatch,
     TransferJob,
@@ -52,7 +46,6 @@ from tierkv.wire.protocol import (
     decode,
     encode,
     peek_id,
-    to_map,
     to_record,
 )
 
@@ -65,15 +58,12 @@ EXAMPLES = [
     Welcome("inst", 10, 4096, 2, 0.5, "ns"),
     Refused("rank taken"),
     Bye("stopping"),
-    LookupRequest(3, K, "r1"),
-    StoreRequest(4, K, [1, 2], None),
-    LoadRequest(5, K, [3, 4], "r"),
-    TouchRequest(6, K),
-    FinishRequest(7, "r"),
-    StepRequest(8),
-    PollRequest(9),
+    OpsRequest(3, b"".join(K[:1] * 3), 8, b"", lookup=KeyGroups(pack_counts([2]), ["r1"]),
+               pin=KeyGroups(pack_counts([1])), finish=["r0"], step=True,
+               contexts=[RequestContext("r1", ["disk"], "s", 2, True, 30.0, {"a": [1]})]),
+    OpsRequest(4, b"".join(K), 0, bytes([8, 64]), store=KeyGroups(pack_counts([2])),
+               store_gpu=b"\x01\x00\x00\x00" * 2, wait=[5], wait_s=1.0),
     StatsRequest(10),
-    BatchRequest(11, [to_map(LookupRequest(0, K))]),
     RegisterKVRequest(12, 0, {"device": "cpu", "tensors": [{"shm": "/x", "shape": [1, 2]}]}),
     WorkerHello(0, 2, 123, 456, "cpu"),
     TransferBatch([TransferJob(1, "store", [1, 2], [3, 4], 12.5)]),
@@ -100,60 +90,78 @@ def test_round_trip(msg):
 
 
 def test_reply_records_round_trip():
-    step = StepResult([TransferResult(1, "load", True)], [OffloadEvent("stored", (b"a",), "cpu")])
-    reply = decode(encode(Reply(1, True, result=step)))
-    assert to_record(StepResult, reply.result) == step
-    batch = BatchResult([Reply(0, True, result=LookupResult(1, True))])
-    back = to_record(BatchResult, decode(encode(Reply(2, True, result=batch))).result)
-    assert to_record(LookupResult, back.results[0].result) == LookupResult(1, True)
+    result = OpsResult(hits=b"\x01\x00\x00\x00", state=b"\x01", tiers=["disk"],
+                       errors=[OpError("pin", 0, "bad_request", "not ready")],
+                       finished=[TransferResult(1, "load", True)],
+                       events=[OffloadEvent("stored", (b"a",), "cpu")], step=3)
+    reply = decode(encode(Reply(1, True, result=result)))
+    assert to_record(OpsResult, reply.result) == result
 
 
 def raw(**fields) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, **fields}, use_bin_type=True)
 
 
+def lookup(**fields) -> bytes:
+    return raw(op="ops", id=1, **fields)
+
+
 @pytest.mark.parametrize("payload, match", [
     (b"\xc1garbage", "not a msgpack message"),
     (msgpack.packb([1, 2]), "must be a map"),
-    (msgpack.packb({"v": 99, "op": "lookup"}), "protocol version 99, this side speaks"),
+    (msgpack.packb({"v": 99, "op": "ops"}), "protocol version 99, this side speaks"),
+    (msgpack.packb({"v": 1, "op": "lookup", "id": 1, "keys": []}), "protocol version 1"),
     (raw(op="launch_missiles", id=1), "unknown op"),
     (raw(op=5, id=1), "unknown op"),
-    (raw(op="lookup", id=1), "missing field 'keys'"),
-    (raw(op="lookup", id="1", keys=[]), "lookup.id: expected int, got str"),
-    (raw(op="lookup", id=1, keys=[1, 2]), "expected bytes items, got int"),
-    (raw(op="lookup", id=1, keys=b"abc"), "expected a list"),
-    (raw(op="lookup", id=1, keys=[b""]), "1..64 bytes"),
-    (raw(op="lookup", id=1, keys=[b"x" * 65]), "1..64 bytes"),
-    (raw(op="lookup", id=1, keys=[b"k"] * (MAX_KEYS + 1)), "exceeds"),
-    (raw(op="store", id=1, keys=[b"k"], gpu_block_ids=[1, 2]), "1 keys but 2"),
-    (raw(op="store", id=1, keys=[b"k"], gpu_block_ids=[-1]), "negative"),
-    (raw(op="lookup", id=True, keys=[]), "expected int, got bool"),
+    (raw(op="ops"), "missing field 'id'"),
+    (raw(op="ops", id="1"), "ops.id: expected int, got str"),
+    (lookup(keys=b"abc", key_len=2), "do not divide"),
+    (lookup(keys=b"ab", key_len=65), "1..64"),
+    (lookup(keys=b"ab", key_len=0), "without a width"),
+    (lookup(keys=b"ab", key_lens=b"\x01\x02"), "add up to 3"),
+    (lookup(keys=b"a", key_lens=b"\x00"), "1..64 bytes"),
+    (lookup(keys=b"ab", key_len=1, lookup={"counts": b"\x01\x00"}), "int32"),
+    (lookup(keys=b"ab", key_len=1, lookup={"counts": pack_counts([3])}), "take 3 keys"),
+    (lookup(keys=b"ab", key_len=1, lookup={"counts": pack_counts([-1, 3])}), "negative"),
+    (lookup(keys=b"ab", key_len=1, lookup={"counts": pack_counts([1, 1]), "req_ids": ["x"]}),
+     "1 req_ids for 2 groups"),
+    (lookup(keys=b"ab", key_len=1, store={"counts": pack_counts([2])}, store_gpu=b"\x00"),
+     "ops.store_gpu"),
+    (lookup(keys=b"ab", key_len=1, lookup={"counts": [2]}), "expected bytes"),
+    (lookup(wait_s=-1.0), "wait_s"),
     (raw(op="tier_jobs", jobs=[{"job_id": 1}]), "missing field"),
     (raw(op="tier_jobs", jobs=[{"job_id": 1, "keys": [], "block_ids": [], "kind": "steal"}]),
      "not a valid JobKind"),
-    (raw(op="step", id=1, **{"1": 2}), None),  # unknown extra fields are ignored
+    (raw(op="ops", id=1, step=True, **{"1": 2}), None),  # unknown extra fields are ignored
 ])
 def test_malformed_input_is_a_protocol_error(payload, match):
     if match is None:
-        assert decode(payload) == StepRequest(1)
+        assert decode(payload) == OpsRequest(1, step=True)
         return
     with pytest.raises(ProtocolError, match=match):
         decode(payload)
 
 
+def test_keys_of_one_width_and_of_several_come_back_whole():
+    fixed = [b"\x00" * 15 + b"\x01", b"\x01" + b"\x00" * 15]  # zeros at both ends survive
+    assert unpack_keys(b"".join(fixed), 16, b"", "k") == fixed
+    mixed = [b"a", b"bb" * 32, b"\x00c"]
+    assert unpack_keys(b"".join(mixed), 0, bytes(map(len, mixed)), "k") == mixed
+
+
 def test_integer_map_keys_are_refused():
-    payload = msgpack.packb({"v": 1, "op": "step", "id": 1, 5: 6})
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ops", "id": 1, 5: 6})
     with pytest.raises(ProtocolError):
         decode(payload)
 
 
 def test_allowed_ops_restrict_a_link():
     with pytest.raises(ProtocolError, match="unknown op 'tier_hello'"):
-        decode(encode(TierHello("x", "memory", 1)), allowed=frozenset({"lookup"}))
+        decode(encode(TierHello("x", "memory", 1)), allowed=frozenset({"ops"}))
 
 
 def test_peek_id_finds_the_request_id_of_a_bad_message():
-    assert peek_id(raw(op="lookup", id=42, keys=[1])) == 42
+    assert peek_id(raw(op="ops", id=42, keys=[1])) == 42
     assert peek_id(b"\xc1") is None
 
 
@@ -168,7 +176,8 @@ def test_random_bytes_never_raise_anything_else(data):
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(
-    st.sampled_from(["v", "op", "id", "keys", "gpu_block_ids", "req_id", "jobs", "results"]),
+    st.sampled_from(["v", "op", "id", "keys", "key_len", "lookup", "store_gpu", "jobs",
+                     "results"]),
     st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=5), st.binary(max_size=5),
               st.none(),
               st.lists(st.one_of(st.integers(-5, 5), st.binary(max_size=3)), max_size=4),

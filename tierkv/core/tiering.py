@@ -270,6 +270,13 @@ class TieringManager:
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         self.primary.complete_load(keys)
 
+    def waiting(self, requests: list[list[OffloadKey]]) -> None:
+        """The prefix keys of the requests waiting in the engine's queue: advice for
+        a policy that keeps what they will need (those that do not listen ignore it)."""
+        advise = getattr(self.primary.policy, "waiting", None)
+        if advise is not None:
+            advise(requests, self.clock())
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.primary.touch(keys)
         for tier in self.tiers:

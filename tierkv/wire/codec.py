@@ -24,7 +24,7 @@ import msgpack
 from tierkv.core.errors import ErrorCode
 from tierkv.core.loglimit import foreign
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LIST = 1 << 18  # items in any one list field
 MAX_KEYS = 1 << 16  # keys in one client request
@@ -98,9 +98,10 @@ def decode_map(obj: Any, allowed: frozenset[str] | None = None) -> Message:
         raise ProtocolError(f"a message must be a map, got {type(obj).__name__}")
     version = obj.get("v")
     if version != PROTOCOL_VERSION:
+        older = type(version) is int and 0 < version < PROTOCOL_VERSION
         raise ProtocolError(
             f"protocol version {foreign(repr(version), 40)}, this side speaks version "
-            f"{PROTOCOL_VERSION}"
+            f"{PROTOCOL_VERSION}" + (": upgrade the other side's tierkv" if older else "")
         )
     op = obj.get("op")
     cls = _MESSAGES.get(op) if isinstance(op, str) else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent
+from tierkv.core.keys import OffloadEvent
 from tierkv.tiers.base import Job, JobResult
 from tierkv.wire.codec import (
     MAX_KEYS,
@@ -28,28 +28,7 @@ from tierkv.wire.codec import (
     to_map,
     to_record,
 )
-
-
-def _check_keys(keys: list[bytes] | tuple[bytes, ...], where: str) -> None:
-    if len(keys) > MAX_KEYS:
-        raise ProtocolError(f"{where}: {len(keys)} keys exceeds {MAX_KEYS}")
-    if keys:
-        lengths = list(map(len, keys))
-        shortest, longest = min(lengths), max(lengths)
-        if shortest < 1 or longest > MAX_KEY_LEN:
-            bad = shortest if shortest < 1 else longest
-            raise ProtocolError(f"{where}: a key must be 1..{MAX_KEY_LEN} bytes, got {bad}")
-
-
-def _check_co_indexed(msg: Any) -> None:
-    _check_keys(msg.keys, f"{msg.op}.keys")
-    if len(msg.keys) != len(msg.gpu_block_ids):
-        raise ProtocolError(
-            f"{msg.op}: {len(msg.keys)} keys but {len(msg.gpu_block_ids)} gpu_block_ids"
-        )
-    if any(b < 0 for b in msg.gpu_block_ids):
-        raise ProtocolError(f"{msg.op}: negative gpu block id")
-
+from tierkv.wire.keyblob import check_blob, key_count, unpack_counts
 
 # A real registration is 4 deep (layout -> tensor_shapes -> shape -> dim); a layout
 # of thousands of tensors has tens of thousands of values.
@@ -108,74 +87,152 @@ class Bye(Message):
 
 
 # -- client <-> broker -----------------------------------------------------------------
+#
+# One message (`ops`) carries every operation of one engine step, in sections that
+# run in a fixed order: commit, release, finish, contexts, lookup, pin, reserve,
+# touch, store, load, queue, then step (or poll) and wait. The keys of every section
+# travel in one blob (`tierkv.wire.keyblob`), section after section in that order;
+# each section's groups (one per request) take `counts[i]` keys from it. Results
+# come back as arrays, one item per group or per key of each section.
 
 
-@message("lookup")
 @dataclass(frozen=True, slots=True)
-class LookupRequest(Message):
-    id: int
-    keys: list[bytes]
-    req_id: str | None = None
+class KeyGroups:
+    """Groups of keys, one per request: `counts` (int32 little endian) keys each,
+    taken in order from the message's key blob; `req_ids` one per group (or none)."""
 
-    def check(self) -> None:
-        _check_keys(self.keys, "lookup.keys")
+    counts: bytes
+    req_ids: list[str] = field(default_factory=list)
 
 
-@message("store")
 @dataclass(frozen=True, slots=True)
-class StoreRequest(Message):
-    id: int
-    keys: list[bytes]
-    gpu_block_ids: list[int]
-    req_id: str | None = None
+class RequestContext:
+    """What the engine or its orchestrator says about a request (advice: a wrong or
+    missing hint never costs correctness). `tiers`: the secondary tiers this request
+    may be served from (None: all)."""
 
-    def check(self) -> None:
-        _check_co_indexed(self)
-
-
-@message("load")
-@dataclass(frozen=True, slots=True)
-class LoadRequest(Message):
-    id: int
-    keys: list[bytes]
-    gpu_block_ids: list[int]
-    req_id: str | None = None
-
-    def check(self) -> None:
-        _check_co_indexed(self)
-
-
-@message("touch")
-@dataclass(frozen=True, slots=True)
-class TouchRequest(Message):
-    id: int
-    keys: list[bytes]
-
-    def check(self) -> None:
-        _check_keys(self.keys, "touch.keys")
-
-
-@message("finish")
-@dataclass(frozen=True, slots=True)
-class FinishRequest(Message):
-    id: int
     req_id: str
+    tiers: list[str] | None = None
+    session: str = ""  # the conversation (or agent session) the request belongs to
+    turn: int = -1
+    continues: bool | None = None  # will the session come back for another turn?
+    next_turn_s: float | None = None  # expected seconds until it does (or a ttl)
+    hints: dict[str, Any] | None = None  # opaque orchestrator hints (vLLM's kv_hints)
+
+    def check(self) -> None:
+        if self.hints is not None:
+            check_tree(self.hints, "contexts.hints", 8, 10_000)
 
 
-@message("step")
+# Sections with keys, in the order they run and take their keys from the blob.
+KEY_SECTIONS = ("commit", "release", "lookup", "pin", "reserve", "touch", "store", "load",
+                "queue")
+
+
+@message("ops")
 @dataclass(frozen=True, slots=True)
-class StepRequest(Message):
-    """End the engine step: apply completions, then reply with what finished."""
+class OpsRequest(Message):
+    """Every operation of one engine step (see the section comment above)."""
 
     id: int
+    keys: bytes = b""
+    key_len: int = 0  # the width of every key; 0: `key_lens` has one byte per key
+    key_lens: bytes = b""
+    commit: KeyGroups | None = None  # reserved blocks are written (or not: commit_ok)
+    commit_ok: bytes = b""  # uint8 per commit group
+    release: KeyGroups | None = None  # pinned blocks were read
+    finish: list[str] = field(default_factory=list)  # requests done: leases end
+    contexts: list[RequestContext] = field(default_factory=list)
+    lookup: KeyGroups | None = None
+    lookup_status: bool = False  # also a status per key (hit, pending, miss, retry)
+    pin: KeyGroups | None = None  # protect ready blocks the engine reads (its ids back)
+    reserve: KeyGroups | None = None  # allocate blocks the engine writes (ids back)
+    touch: KeyGroups | None = None
+    store: KeyGroups | None = None  # the worker path: GPU -> CPU tier, every rank
+    store_gpu: bytes = b""  # int32 per store key: its GPU block
+    load: KeyGroups | None = None  # the worker path: CPU tier -> GPU
+    load_gpu: bytes = b""  # int32 per load key
+    queue: KeyGroups | None = None  # prefix keys of requests waiting in the engine
+    step: bool = False  # end the engine step: apply completions, flush jobs
+    poll: bool = False  # collect finished jobs and events without ending a step
+    wait: list[int] = field(default_factory=list)  # answer once these jobs finished...
+    wait_s: float = 0.0  # ...or this long passed
+
+    def check(self) -> None:
+        check_blob(self.keys, self.key_len, self.key_lens, "ops.keys")
+        n = key_count(self.keys, self.key_len, self.key_lens)
+        taken = 0
+        for name in KEY_SECTIONS:
+            groups: KeyGroups | None = getattr(self, name)
+            if groups is None:
+                continue
+            counts = unpack_counts(groups.counts, f"ops.{name}.counts")
+            if groups.req_ids and len(groups.req_ids) != len(counts):
+                raise ProtocolError(f"ops.{name}: {len(groups.req_ids)} req_ids for "
+                                    f"{len(counts)} groups")
+            taken += int(counts.sum())
+            extra = {"commit": ("commit_ok", 1, len(counts)),
+                     "store": ("store_gpu", 4, int(counts.sum())),
+                     "load": ("load_gpu", 4, int(counts.sum()))}.get(name)
+            if extra is not None and len(getattr(self, extra[0])) != extra[1] * extra[2]:
+                raise ProtocolError(f"ops.{extra[0]}: {len(getattr(self, extra[0]))} bytes "
+                                    f"for {extra[2]} items")
+        if taken != n:
+            raise ProtocolError(f"ops: the sections take {taken} keys, the blob has {n}")
+        if taken > MAX_STEP_KEYS:
+            raise ProtocolError(f"ops: {taken} keys exceeds {MAX_STEP_KEYS}")
+        if not 0 <= self.wait_s <= 3600:
+            raise ProtocolError(f"ops.wait_s: {self.wait_s} is not 0..3600")
 
 
-@message("poll")
 @dataclass(frozen=True, slots=True)
-class PollRequest(Message):
-    """Collect finished jobs and events without ending a step."""
+class OpError:
+    """One group of a section that failed; the others ran."""
 
-    id: int
+    section: str
+    index: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """A store or load the client asked for has finished on every rank."""
+
+    job_id: int
+    kind: str  # "store" | "load"
+    success: bool
+    error_code: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OpsResult:
+    """The answers of an `ops` request: arrays, one item per group or per key."""
+
+    hits: bytes = b""  # int32 per lookup group: leading keys ready in the CPU tier
+    state: bytes = b""  # uint8 per lookup group: 0 answered, 1 pending, 2 retry
+    status: bytes = b""  # uint8 per lookup key, if asked: see LOOKUP_STATUSES
+    sources: bytes = b""  # uint8 per lookup key, if asked: 0 CPU (or not a hit), 1 + tier
+    tiers: list[str] = field(default_factory=list)  # the tiers `sources` counts from 1
+    pinned: bytes = b""  # int32 per pin key: its CPU block id (-1: not pinned)
+    reserved: bytes = b""  # int32 per reserve key: the CPU block to write (-1: nothing to)
+    reserve_ok: bytes = b""  # uint8 per reserve group: 0 no room now (nothing reserved)
+    evicted: bytes = b""  # the keys reserves evicted (a key blob with `evicted_lens`)
+    evicted_lens: bytes = b""
+    store_jobs: bytes = b""  # int64 per store group: the job id, -1 none
+    store_refused: bytes = b""  # uint8 per store group
+    store_accepted: bytes = b""  # uint8 per store key
+    load_jobs: bytes = b""  # int64 per load group: the job id, -1 failed
+    load_sources: list[dict[str, int]] = field(default_factory=list)
+    errors: list[OpError] = field(default_factory=list)
+    finished: list[TransferResult] = field(default_factory=list)
+    events: list[OffloadEvent] = field(default_factory=list)
+    step: int = 0
+
+
+LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
+MAX_STEP_KEYS = 1 << 22  # keys in one `ops` message (a blob of at most 256 MiB)
 
 
 @message("stats")
@@ -183,15 +240,6 @@ class PollRequest(Message):
 class StatsRequest(Message):
     id: int
     verify: bool = False  # also check the block-state invariants (O(blocks): tests, debug)
-
-
-@message("batch")
-@dataclass(frozen=True, slots=True)
-class BatchRequest(Message):
-    """Many operations of one engine step in one round trip, run in order."""
-
-    id: int
-    ops: list[dict[str, Any]]
 
 
 @message("kv_register")
@@ -211,59 +259,6 @@ class RegisterKVRequest(Message):
                    REGISTRATION_NODES)
 
 
-BATCHABLE_OPS = frozenset({"lookup", "store", "load", "touch", "finish", "step", "poll"})
-# What each end of each link accepts (`decode`'s `allowed`).
-CLIENT_OPS = BATCHABLE_OPS | {"stats", "batch", "kv_register"}
-WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
-TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb", "bye"})
-TO_WORKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
-TO_TIER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    hits: int
-    pending: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    job_id: int | None  # None when no key needed storing, or the store was refused
-    keys_accepted: list[bytes]
-    refused: bool = False  # no room could be made (blocks busy): try again later
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    job_id: int
-    # Of the loaded keys, how many a promotion brought from each secondary tier
-    # (counted once per promoted block, at its first load); the rest were CPU hits.
-    sources: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """A store or load the client asked for has finished on every rank."""
-
-    job_id: int
-    kind: str  # "store" | "load"
-    success: bool
-    error_code: str = ""
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    finished: list[TransferResult]
-    events: list[OffloadEvent]
-    step: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    results: list[Reply]
-
-
 @message("events")
 @dataclass(frozen=True, slots=True)
 class EventBatch(Message):
@@ -274,6 +269,14 @@ class EventBatch(Message):
     seq: int
     step: int
     events: list[OffloadEvent]
+
+
+# What each end of each link accepts (`decode`'s `allowed`).
+CLIENT_OPS = frozenset({"ops", "stats", "kv_register"})
+WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
+TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb", "bye"})
+TO_WORKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
+TO_TIER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
 
 
 # -- broker <-> gpu worker --------------------------------------------------------------
