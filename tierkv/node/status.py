@@ -90,10 +90,11 @@ def _processes(stats: dict[str, Any] | None, sup: dict[str, Any],
     rows: dict[int, list[str]] = {}
     for child in sup.get("children", []):
         alive = running(child["pid"], child.get("start_time", 0))
+        started = child.get("started")  # absent in a file an older supervisor wrote
         rows[child["pid"]] = [child["name"], str(child["pid"]),
                               "running" if alive else "exited",
-                              _duration(now - child["started"]) if alive else "-",
-                              str(child["restarts"])]
+                              _duration(now - started) if alive and started else "-",
+                              str(child.get("restarts", 0))]
     if stats is not None:
         broker_pid = next((c["pid"] for c in sup.get("children", []) if c["name"] == "broker"),
                           None)
