@@ -166,3 +166,13 @@ def test_config_explain_prints_every_key_and_every_tier_option():
         assert f'type = "{kind}"' in text
         for option in tier_options(kind).options:
             assert f"{option.name} = " in text, f"{kind}.{option.name}"
+    # It is TOML, and the defaults it shows are the defaults.
+    import tomllib
+
+    from tierkv.node.config import config_from_dict
+
+    data = tomllib.loads(text)
+    tiers = data.pop("tiers")
+    assert [t.get("type") for t in tiers] == [None, "disk", "memory", "s3"]
+    assert config_from_dict(data) == Config()
+    assert config_from_dict({"tiers": [{**tiers[0], **tiers[2]}]}).tiers[0]["threads"] == 8

@@ -33,7 +33,6 @@ from tierkv.tiers.options import (
     TierOptionError,
     TierOptions,
     at_least,
-    non_empty,
 )
 
 ENTRY_POINT_GROUP = "tierkv.tiers"
@@ -54,8 +53,8 @@ _INSTALL_HINT: dict[str, str] = {"s3": "install it with: pip install 'tierkv[s3]
 # The keys of every tier entry that belong to the framework, not the backend.
 FRAMEWORK = TierOptions("any", "keys every tier entry takes", (
     Option("type", str, REQUIRED, "the tier type: memory, disk, s3, or a plug-in's"),
-    Option("name", str, "", "the tier's name (default: its type); two entries may share a "
-           "type, never a name", check=non_empty),
+    Option("name", str, "", "the tier's name (empty: its type); two entries may share a "
+           "type, never a name"),
     Option("processes", int, 1, "tier processes serving it (an S3 tier scales out; a disk "
            "tier is one process per root)", check=at_least(1)),
     Option("threads", int, 8, "I/O threads of each tier process", check=at_least(1)),
