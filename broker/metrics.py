@@ -7,6 +7,7 @@ twice a second and scrapes render that snapshot.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tierkv.node.config import ConfigError
+
 log = logging.getLogger("broker.metrics")
+
+
+class MetricsPortError(ConfigError):
+    """The metrics endpoint cannot bind: the message names the key and the address."""
 
 
 class BrokerMetrics(Collector):
@@ -23,7 +30,13 @@ class BrokerMetrics(Collector):
         self._snapshot: dict[str, Any] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host,
+                                                         registry=self.registry)
+        except OSError as e:
+            why = ("is already in use (choose another port, or 0: no metrics)"
+                   if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})")
+            raise MetricsPortError(f"broker.metrics_port = {port}: {host}:{port} {why}") from e
         self.port = self.server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 

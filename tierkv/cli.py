@@ -3,6 +3,8 @@
     tierkv demo [--quick]        the main job: a demo node, driven like an engine
     tierkv up -c FILE            run a node (supervisor) until ^C
     tierkv status [-c FILE]      a table of a running node
+    tierkv config --explain      every config key, its default and its meaning
+    tierkv config -c FILE        check a config file (here), print it in full
     tierkv keygen DIR NAME       a CurveZMQ key pair (tcp beyond loopback needs them)
     tierkv replay TRACE          replay a Mooncake trace against the policies
     tierkv bench [AREA]          benchmarks, as ratios to the limits
@@ -27,6 +29,21 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if status.get("broker") is not None else 1
 
 
+def _config(args: argparse.Namespace) -> int:
+    if args.explain:
+        from tierkv.node.reference import explain
+
+        print(explain(), end="")
+        return 0
+    from tierkv.node.config import check_tiers_here, dump_config
+
+    config = load_config(args.config)
+    check_tiers_here(config)
+    print(f"# {config.source}: valid here; every key, defaults included\n"
+          f"{dump_config(config)}", end="")
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from tierkv.wire.sockets import create_keys
 
@@ -46,20 +63,42 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tierkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run a node until ^C")
-    up.add_argument("-c", "--config")
-    up.add_argument("-v", "--verbose", action="count", default=0)
+    up = sub.add_parser(
+        "up", help="run a node until ^C",
+        description="Run a whole node from one config: the broker, a worker per rank and "
+                    "the tier processes, restarted when they die, stopped in order on ^C or "
+                    "SIGTERM. Refused, changing nothing, when the instance is running already. "
+                    "The log is node.log in the run directory (also echoed to stderr).")
+    up.add_argument("-c", "--config", help="the node's tierkv.toml (default: the defaults)")
+    up.add_argument("-v", "--verbose", action="count", default=0, help="debug lines too")
     up.set_defaults(run=_up)
+
+    config = sub.add_parser(
+        "config", help="check a config file, or explain every key",
+        description="Check a config file on this machine (one error naming the key and the "
+                    "file) and print it with every default filled in; or, with --explain, "
+                    "print every key of a config, tier options included, with its default "
+                    "and its meaning.")
+    config.add_argument("-c", "--config", help="the file to check (default: the defaults)")
+    config.add_argument("--explain", action="store_true",
+                        help="print the reference of every key instead")
+    config.set_defaults(run=_config)
 
     keygen = sub.add_parser("keygen", help="a CurveZMQ key pair for tcp beyond loopback")
     keygen.add_argument("dir", help="directory for NAME.key and NAME.key_secret")
     keygen.add_argument("name", help="e.g. broker, or a client's name")
     keygen.set_defaults(run=_keygen)
 
-    status = sub.add_parser("status", help="a table of a running node")
-    status.add_argument("-c", "--config")
-    status.add_argument("--json", action="store_true")
-    status.add_argument("--timeout", type=float, default=3.0)
+    status = sub.add_parser(
+        "status", help="a table of a running node",
+        description="The node's processes (pid, state, uptime, restarts; each pid checked "
+                    "now) and per tier its blocks, bytes, capacity, hit ratio, jobs in "
+                    "flight, errors and circuit breaker; where its log is. Exit 1 when the "
+                    "broker does not answer.")
+    status.add_argument("-c", "--config", help="the node's tierkv.toml (default: the defaults)")
+    status.add_argument("--json", action="store_true", help="everything, as JSON")
+    status.add_argument("--timeout", type=float, default=3.0,
+                        help="seconds to wait for the broker (default 3)")
     status.set_defaults(run=_status)
 
     for name, help_text in (

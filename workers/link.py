@@ -7,7 +7,12 @@ interval), and the verdict "broker lost" after 3 silent intervals.
 `PeerService` runs sessions in a loop: when the broker is lost the process closes
 its socket, backs off exponentially and says hello again (a restarted broker has a
 new region, so a session attaches it anew). It stops on SIGTERM/SIGINT (handlers
-only flip a flag) or when the supervisor's lifeline closes.
+only flip a flag) or when the supervisor's lifeline closes, and says so in one line.
+
+A broker that says goodbye is stopping in order: at a node's clean stop that is
+the moment before the supervisor stops this process too, so it is no warning
+(a stop used to end with one "lost the broker ... reconnecting" per peer). Only an
+outage that lasts (`QUIET_WAIT_S`) is logged, once, at info.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import zmq
 from tierkv.core.shm import RegionError, SharedRegion
 from tierkv.node.children import take_token
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.node.logs import RateLimitedLog, foreign
 from tierkv.wire.protocol import (
     Bye,
     Heartbeat,
@@ -39,10 +45,17 @@ from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, make_soc
 from tierkv.wire.wakeup import Wakeup
 
 log = logging.getLogger("tierkv.link")
+_limited = RateLimitedLog(log)  # what the broker sends is logged at most this often
+
+QUIET_WAIT_S = 2.0  # a broker gone in order this long is worth a line
 
 
 class BrokerLost(Exception):
     """The broker stopped answering or said goodbye; reconnect."""
+
+
+class BrokerStopped(BrokerLost):
+    """The broker said goodbye: it is stopping in order (and may come back)."""
 
 
 class LinkRefused(Exception):
@@ -113,15 +126,17 @@ class BrokerLink:
             try:
                 msg = decode(payload, self.allowed)
             except ProtocolError as e:
-                log.warning("dropped a malformed message from the broker: %s", e)
+                _limited.warning(("malformed", type(e).__name__),
+                                 "dropped a malformed message from the broker: %s", foreign(e))
                 continue
             if isinstance(msg, Bye):
-                raise BrokerLost(f"broker said bye ({msg.reason})")
+                raise BrokerStopped(f"the broker said goodbye ({foreign(msg.reason)})")
             if isinstance(msg, Refused) and self.welcome is not None:
                 # A broker restarted on the same address answers this session's
                 # heartbeats with "say hello first". As traffic they would keep
                 # `last_seen` fresh: the peer would never say hello again.
-                raise BrokerLost(f"the broker no longer knows this session ({msg.reason})")
+                raise BrokerLost(
+                    f"the broker no longer knows this session ({foreign(msg.reason)})")
             if isinstance(msg, Heartbeat):
                 continue
             yield msg
@@ -167,7 +182,13 @@ class PeerService(ABC):
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:
+        code = self._run()
+        log.info("%s (pid %d) stopped", self.component, os.getpid())
+        return code
+
+    def _run(self) -> int:
         backoff = 0.1
+        gone_since: float | None = None  # when the broker went away in order
         while not self.stopping:
             try:
                 region = self._attach_region()
@@ -175,13 +196,13 @@ class PeerService(ABC):
                 if self._wait(backoff):
                     break
                 backoff = min(backoff * 2, 5.0)
-                log.info("waiting for the broker's region: %s", e)
+                gone_since = self._still_waiting(gone_since, e)
                 continue
             self.sessions += 1
             link: BrokerLink | None = None
             try:
                 link = self.open_session(region)
-                backoff = 0.1
+                backoff, gone_since = 0.1, None
                 if not self._announced:
                     notify_ready(f"{self.component} session {self.sessions}")
                     self._announced = True
@@ -190,6 +211,9 @@ class PeerService(ABC):
                 log.error("the broker refused us: %s", e)
                 self.end_session(region)
                 return 1
+            except BrokerStopped as e:
+                log.debug("%s; saying hello again when it is back", e)
+                gone_since = time.monotonic()
             except BrokerLost as e:
                 log.warning("lost the broker: %s; reconnecting", e)
             finally:
@@ -200,6 +224,18 @@ class PeerService(ABC):
                 break
             backoff = min(backoff * 2, 5.0)
         return 0
+
+    def _still_waiting(self, gone_since: float | None, why: Exception) -> float | None:
+        """One info line once a broker that stopped in order has stayed away
+        `QUIET_WAIT_S` (at a node's stop this process is stopped before that)."""
+        if gone_since is None:
+            log.info("waiting for the broker: %s", why)
+            return float("inf")  # said: not again this outage
+        if time.monotonic() - gone_since >= QUIET_WAIT_S:
+            log.info("the broker stopped %.0fs ago and is not back yet: %s",
+                     time.monotonic() - gone_since, why)
+            return float("inf")
+        return gone_since
 
     def _attach_region(self) -> SharedRegion:
         return SharedRegion.attach(self.instance)

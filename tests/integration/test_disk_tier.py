@@ -16,7 +16,8 @@ import pytest
 from tests.integration.cluster import keys, step_until, wait_for
 from tierkv.core.blockformat import CorruptBlock, unpack_header
 from tierkv.core.errors import ErrorCode, TierError
-from tierkv.node.lifecycle import ChildFailed, wait_ready
+from tierkv.node.config import ConfigError
+from tierkv.node.lifecycle import wait_ready
 from workers.disk import HEADER_AREA, DiskBackend, namespace_dir, slot_bytes_for
 
 PAGE = 1024  # the cluster's block: 1 KiB per rank, one rank
@@ -129,7 +130,8 @@ def test_whole_cluster_restart_finds_every_block_stored(make_cluster, tmp_path):
 
 
 def test_missing_root_stops_the_node_with_a_clear_error(make_cluster, tmp_path):
-    with pytest.raises(ChildFailed, match="does not exist"):
+    # Checked before any process starts (issue 13.6), naming the key.
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.root .*missing' does not exist"):
         make_cluster(tiers=[disk_entry(tmp_path / "missing")])
 
 

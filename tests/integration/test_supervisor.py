@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +22,8 @@ from tierkv.client import Client
 from tierkv.core.shm import process_start_time
 from tierkv.engine import KVLayout, allocate_kv_cache
 from tierkv.node.config import Config, dump_config, tier_name
+from tierkv.node.lifecycle import ChildFailed
+from tierkv.node.supervisor import Node
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,24 +208,39 @@ def test_status_shows_processes_and_tiers(node, tmp_path):
     assert out.returncode == 0, out.stderr
     for word in ("broker", "worker0", "tier:mem:0", "restarts", "hit ratio", "mem", "cpu"):
         assert word in out.stdout
+    assert f"log: {config.run_path / 'node.log'}" in out.stdout
     data = json.loads(subprocess.run(
         [sys.executable, "-m", "tierkv.cli", "status", "-c", str(path), "--json"], cwd=REPO,
         capture_output=True, text=True, timeout=60).stdout)
     assert data["broker"]["state"] == "running"
 
 
-def test_start_stop_cycles_leave_nothing(tmp_path):
+def test_start_stop_cycles_leave_nothing_and_say_stopped_once_per_process(tmp_path):
+    """Issue 13.10: a clean stop ended with a "lost the broker ... reconnecting"
+    warning per peer and no line saying anything stopped. Issue 20.2: the node's log
+    is a file in the run directory, the supervisor's lines and every process's."""
     instance = new_instance()
-    config = make_config(instance, tmp_path / "run", tiers=[])
+    config = make_config(instance, tmp_path / "run", tiers=[{"type": "memory", "name": "m"}])
     for cycle in range(2):
         proc = start_supervisor(config, tmp_path / f"c{cycle}.toml")
         try:
-            pids = child_pids(wait_status(config, all_ready(config), proc)).values()
+            started = child_pids(wait_status(config, all_ready(config), proc))
         finally:
             assert stop_supervisor(proc) == 0
-        assert not any(alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in started.values())
         assert leftovers(config.run_path, instance) == []
         assert not (config.run_path / "supervisor.json").exists()
+        echoed = proc.stderr.read().decode()
+        logged = (config.run_path / "node.log").read_text()
+        this_run = logged[logged.rindex(f"node {instance} starting"):]
+        for text in (echoed, this_run):
+            assert " WARNING " not in text and " ERROR " not in text, text[-3000:]
+            stopped = [line for line in text.splitlines() if line.endswith(" stopped")]
+            assert len(stopped) == 4, stopped  # broker, worker, tier, and the node
+            for name, pid in started.items():
+                assert any(f"pid={pid} " in line for line in stopped), (name, stopped)
+            assert stopped[-1].endswith(f"node {instance} stopped")
+        assert "[supervisor]" in this_run and "[broker]" in this_run and "[tier:m]" in this_run
 
 
 def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):
@@ -229,7 +248,8 @@ def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):
     config = make_config(instance, tmp_path / "run", tiers=[{"type": "memory"}])
     proc = start_supervisor(config, tmp_path / "a.toml")
     try:
-        pids = child_pids(wait_status(config, all_ready(config), proc)).values()
+        started = child_pids(wait_status(config, all_ready(config), proc))
+        pids, child_names = started.values(), set(started)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -237,6 +257,14 @@ def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids), "children outlived their supervisor"
+    # Issue 13.7: `tierkv status` read "running" from the dead supervisor's file.
+    out = status_text(config, tmp_path / "status.toml")
+    assert out.returncode == 1  # the broker does not answer
+    assert f"supervisor: pid {proc.pid} is not running" in out.stdout, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()
+            if line.split() and line.split()[0] in child_names]
+    assert len(rows) == len(child_names) and all(r[2] == "exited" and r[3] == "-"
+                                                  for r in rows), out.stdout
     # The next start sweeps whatever the dead run left and comes up cleanly.
     proc = start_supervisor(config, tmp_path / "b.toml")
     try:
@@ -266,19 +294,195 @@ def test_bad_cli_arguments_are_refused(tmp_path):
 
 
 def test_demo_quick_reports_hits_from_every_tier(tmp_path):
-    out = subprocess.run(
+    demo = subprocess.Popen(
         [sys.executable, "-m", "tierkv.cli", "demo", "--quick", "--no-progress",
          "--out", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=400,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
+    try:
+        stdout, stderr = demo.communicate(timeout=400)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+    out = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     served = report["served_blocks"]
     assert served["cpu"] > 0 and served["disk"] > 0 and served["s3"] > 0, served
+    # Issue 13.12: one accounting; every block the requests needed, once.
+    assert sum(served.values()) + report["recomputed_blocks"] == report["blocks"]
+    shares = [float(line.split()[2].rstrip("%")) for line in out.stdout.splitlines()
+              if line.split()[:1] in (["cpu"], ["disk"], ["s3"], ["recomputed"])
+              and line.endswith("%")]
+    assert len(shares) == 4 and abs(sum(shares) - 100.0) <= 0.2, out.stdout
+    # Issue 13.11: real windows of completed requests, none empty, none skipped.
+    series = report["series"]
+    assert sum(p["requests"] for p in series) == report["requests"]
+    assert all(p["requests"] >= report["window_requests"] for p in series[:-1])
+    assert all(p["blocks"] > 0 for p in series)
+    # Issue 13.13: the lookup figure says what it measured and what it waited on.
+    assert sum(k["count"] for k in report["lookups"].values()) == report["requests"]
+    assert "admission until answered" in out.stdout and "promotion:" in out.stdout
     assert report["integrity"]["mismatches"] == 0
     assert report["integrity"]["blocks_verified"] > 0
     assert report["failed_jobs"] == 0
     assert (tmp_path / "hit_ratio.png").stat().st_size > 1000
     assert "integrity" in out.stdout and "0 mismatches" in out.stdout
-    assert not [e for e in os.listdir("/dev/shm") if e.startswith("tierkv.demo")]
+    # Its instance is demo<pid>: other demos may be running on this machine.
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"tierkv.demo{demo.pid}.")]
+
+
+def status_text(config: Config, path: Path) -> subprocess.CompletedProcess:
+    path.write_text(dump_config(config))
+    return subprocess.run([sys.executable, "-m", "tierkv.cli", "status", "-c", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def uptime_s(text: str, process: str) -> int:
+    row = next(line.split() for line in text.splitlines() if line.startswith(process + " "))
+    h, m, s = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", row[3]).groups()
+    return int(h or 0) * 3600 + int(m or 0) * 60 + int(s or 0)
+
+
+def test_status_computes_uptimes_now_not_when_the_status_file_was_written(node):
+    """Issue 13.7: the status file is written when something changes, so an uptime
+    read from it stands still."""
+    from tierkv.node.status import gather, render
+
+    config, proc, _ = node
+    wait_status(config, all_ready(config), proc)
+    status = gather(config)
+    now = time.time()
+    later = render(status, now=now + 600)
+    assert uptime_s(later, "worker0") - uptime_s(render(status, now=now), "worker0") == 600
+    assert f"supervisor: pid {proc.pid}, up" in later
+
+
+def test_a_refused_second_up_touches_nothing_of_the_running_node(node, tmp_path):
+    """Issue 13.5: a second `tierkv up` of a running instance used to overwrite the
+    run directory's node.toml and delete supervisor.json before it was refused. Two
+    real `tierkv up`: one from the same run directory with other tiers, one from
+    another run directory; both are refused and the running node is as it was."""
+    config, proc, _ = node
+    status = wait_status(config, all_ready(config), proc)
+    region = Path("/dev/shm") / f"tierkv.{config.instance}.cpu"
+
+    def fingerprint() -> dict[str, tuple]:
+        found = {}
+        for entry in [*config.run_path.iterdir(), region]:
+            if entry.name == "node.log":
+                continue  # the running node writes it
+            st = entry.stat()
+            content = entry.read_bytes() if entry.is_file() and entry != region else b""
+            found[entry.name] = (st.st_ino, st.st_mtime_ns, st.st_size, content)
+        return found
+
+    before = fingerprint()
+    assert {"node.toml", "supervisor.json", "client.sock"} <= before.keys()
+    same_dir = make_config(config.instance, config.run_path,
+                           tiers=[{"type": "memory", "name": "other", "capacity_blocks": 8}])
+    other_dir = make_config(config.instance, tmp_path / "elsewhere", tiers=[])
+    for i, second in enumerate((same_dir, other_dir)):
+        path = tmp_path / f"second{i}.toml"
+        path.write_text(dump_config(second))
+        out = subprocess.run([sys.executable, "-m", "tierkv.cli", "up", "-c", str(path)],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert "already running" in out.stderr and "nothing was changed" in out.stderr
+        assert fingerprint() == before
+    with Client.from_config(config) as c:
+        assert c.stats()["pid"] == child_pids(status)["broker"]
+    assert wait_status(config, all_ready(config), proc) == status
+
+
+def test_a_bad_tier_entry_stops_up_before_anything_starts(tmp_path, instance):
+    """Issue 13.6: tier options were checked only in the tier process, after the
+    broker and the workers were up, and the error did not name the file."""
+    run_dir = tmp_path / "run"
+    cases = [
+        ('type = "disk"\nroot = "{root}"\nbudget_bytes = "lots"',
+         "tiers[0].budget_bytes must be int"),
+        ('type = "disk"\nroot = "{root}/missing"\nbudget_bytes = 1000000',
+         "tiers[0].root '{root}/missing' does not exist"),
+        ('type = "s3"\nbucket = "b"\nendpoint_url = "embedded"',
+         "tiers[0].bucket 'b' is not a valid"),
+        ('type = "memory"\ncapacity = 3', "tiers[0].capacity is an unknown option"),
+    ]
+    for i, (entry, said) in enumerate(cases):
+        path = tmp_path / f"bad{i}.toml"
+        path.write_text(f'instance = "{instance}"\nrun_dir = "{run_dir}"\n[worker]\n'
+                        f'device = "cpu"\n[[tiers]]\n{entry.format(root=tmp_path)}\n')
+        out = subprocess.run([sys.executable, "-m", "tierkv.cli", "up", "-c", str(path)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.strip().count("\n") == 0, out.stderr  # one line
+        assert said.format(root=tmp_path) in out.stderr and str(path) in out.stderr
+        assert not run_dir.exists()  # nothing started, nothing written
+        assert leftovers(run_dir, instance) == []
+
+
+def test_a_metrics_port_in_use_is_named_by_its_key_and_address(tmp_path, instance):
+    """Issue 13.8: `cannot start: [Errno 98] Address already in use` named neither
+    the key nor the port. `tierkv up` says so before anything starts; a broker run
+    by hand says the same."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = make_config(instance, tmp_path / "run", broker={"metrics_port": port},
+                             tiers=[])
+        path = tmp_path / "c.toml"
+        path.write_text(dump_config(config))
+        said = f"broker.metrics_port = {port}: 127.0.0.1:{port} is already in use"
+        up = subprocess.run([sys.executable, "-m", "tierkv.cli", "up", "-c", str(path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert up.returncode == 2 and said in up.stderr, up.stderr[-2000:]
+        assert not (config.run_path / "node.toml").exists()
+        broker = subprocess.run([sys.executable, "-m", "broker", "-c", str(path)], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert broker.returncode == 1 and said in broker.stderr, broker.stderr[-2000:]
+    Node(config).cleanup()  # a broker run by hand leaves its sockets to whoever starts next
+    assert leftovers(config.run_path, instance) == []
+
+
+def test_a_failed_start_does_not_call_its_own_leftovers_an_earlier_runs(tmp_path, instance,
+                                                                       caplog):
+    """Issue 13.8: after its own broker failed at start, the supervisor logged that
+    it "cleaned up after an earlier run" about that broker's sockets."""
+    caplog.set_level(logging.DEBUG, logger="tierkv.node.supervisor")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        config = make_config(instance, tmp_path / "run", broker={"tier_address": address},
+                             tiers=[])
+        with pytest.raises(ChildFailed, match="Address already in use"):
+            Node(config).start()  # the client and worker sockets were bound first
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "earlier run" in m], messages
+    assert leftovers(config.run_path, instance) == []
+
+
+def test_a_child_that_prints_a_huge_line_costs_the_node_log_a_few_kib(tmp_path):
+    """Issue 20.2: one line of a child may be many MiB (a foreign value logged
+    whole); the supervisor's pump keeps a bounded prefix and its length."""
+    from tierkv.node.lifecycle import spawn, stop
+    from tierkv.node.logs import NodeLog
+
+    node_log = NodeLog(tmp_path / "node.log", max_bytes=1 << 20, count=2)
+    code = "import sys; sys.stdout.write('z' * (16 << 20) + '\\nafter\\n')"
+    child = spawn("talker", [sys.executable, "-c", code], sink=node_log.write_line)
+    try:
+        child.proc.wait(60)
+        assert child._reader is not None
+        child._reader.join(60)
+    finally:
+        stop(child, 5)
+        node_log.close()
+    text = (tmp_path / "node.log").read_text()
+    assert text.splitlines() == [text.splitlines()[0], "after"]
+    assert f"[cut: the line had {16 << 20:,} bytes]" in text
+    assert (tmp_path / "node.log").stat().st_size < 8192
+    assert list(child.log_lines)[-1] == "after"

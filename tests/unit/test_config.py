@@ -58,6 +58,8 @@ def test_file_values_and_round_trip(tmp_path):
     ("log_level = 'loud'\n", r"log_level must be"),
     ("[supervisor]\nbroker_probe_misses = 0\n", r"supervisor.broker_probe_misses must be >= 1"),
     ("this is not toml", r"not valid TOML"),
+    ("[supervisor]\nlog_file_count = 1\n", r"supervisor.log_file_count must be >= 2"),
+    ("[supervisor]\nlog_file_bytes = 100\n", r"supervisor.log_file_bytes must be >= 4096"),
 ])
 def test_mistakes_name_the_key_and_the_file(tmp_path, text, match):
     path = write(tmp_path, text)

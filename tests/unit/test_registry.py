@@ -43,7 +43,8 @@ def test_unknown_type_lists_known():
 
 
 def test_unknown_option_is_named():
-    with pytest.raises(TierConfigError, match="unknown option.*capacity_blokcs"):
+    with pytest.raises(TierConfigError,
+                       match="capacity_blokcs is an unknown option.*takes capacity_blocks"):
         create_backend({"type": "memory", "capacity_blokcs": 3})
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from tierkv.client import Client
 from tierkv.demo.engine import Engine, Totals
 from tierkv.demo.report import SAMPLE_EVERY, build_report, plot, render
+from tierkv.demo.windows import Snapshot, Windows
 from tierkv.node.config import Config, ConfigError, config_from_dict, load_config
 from tierkv.node.lifecycle import ChildFailed
 from tierkv.node.logs import setup_logging
@@ -68,9 +69,6 @@ def demo_workload(n: int, seed: int) -> list[Request]:
     )
 
 
-# -- the engine -----------------------------------------------------------------------
-
-
 # -- the run --------------------------------------------------------------------------
 
 
@@ -81,64 +79,40 @@ def run(config: Config, requests: list[Request], progress: bool,
     node = Node(config)
     try:
         node.start()
-    except ChildFailed as e:
-        raise SystemExit(f"tierkv demo: the node did not start: {e}") from None
+    except ChildFailed:
+        raise SystemExit("tierkv demo: the node did not start (why: above)") from None
     engine = None
     try:
         client = Client.from_config(config)
         engine = Engine(config, client, GPU_BLOCKS)
         totals = engine.totals
-        series: list[dict[str, Any]] = []
         start = time.perf_counter()
-        last = _sample(client, totals, start)
+        windows = Windows(SAMPLE_EVERY, Snapshot.of(totals, 0.0))
         bar = tqdm(total=len(requests), unit="req", disable=not progress, dynamic_ncols=True,
                    desc="tierkv demo")
 
         def tick(n: int) -> None:
-            nonlocal last
             bar.update(n)
-            if totals.requests % SAMPLE_EVERY == 0 or totals.requests == len(requests):
-                point = _sample(client, totals, start)
-                series.append(_window(last, point))
-                last = point
-                bar.set_postfix_str(_postfix(series[-1], totals), refresh=False)
+            point = windows.update(totals, time.perf_counter() - start)
+            if point is not None:
+                bar.set_postfix_str(_postfix(point, totals), refresh=False)
 
         engine.run(requests, tick, speedup)
-        bar.close()
         elapsed = time.perf_counter() - start
+        windows.update(totals, elapsed, final=True)
+        bar.close()
         stats = client.stats()
         client.close()
-        return build_report(config, totals, stats, series, elapsed)
+        return build_report(config, totals, stats, windows.points, elapsed)
     finally:
         if engine is not None:
             engine.close()
         node.stop()
 
 
-def _sample(client: Client, t: Totals, start: float) -> dict[str, Any]:
-    stats = client.stats()
-    return {
-        "t": time.perf_counter() - start,
-        "blocks": t.blocks,
-        "cpu": t.cpu_hits,
-        "tiers": {n: s.get("promoted_blocks", 0) for n, s in stats["tiers"].items()},
-        "bytes": t.bytes_loaded + t.bytes_stored,
-    }
-
-
-def _window(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    blocks = max(1, b["blocks"] - a["blocks"])
-    return {
-        "t": b["t"],
-        "hit_ratio": {"cpu": (b["cpu"] - a["cpu"]) / blocks,
-                      **{n: (b["tiers"][n] - a["tiers"].get(n, 0)) / blocks for n in b["tiers"]}},
-        "gbps": (b["bytes"] - a["bytes"]) / max(1e-9, b["t"] - a["t"]) / 1e9,
-    }
-
-
 def _postfix(point: dict[str, Any], t: Totals) -> str:
-    ratios = " ".join(f"{n} {r:.0%}" for n, r in point["hit_ratio"].items())
-    return f"hits {ratios} | {point['gbps']:.2f} GB/s | bad {t.mismatches}"
+    ratios = " ".join(f"{n} {r:.0%}" for n, r in point["served"].items())
+    return f"served {ratios} | {point['gbps']:.2f} GB/s | bad {t.mismatches}"
 
 
 def main(argv: list[str] | None = None) -> int:

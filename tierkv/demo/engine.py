@@ -39,12 +39,25 @@ def block_bytes(key: bytes, rank: int, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+# Why a request's lookup took as long as it did. "promotion": it answered "pending"
+# and the request then loaded blocks a promotion had brought; "other wait": it
+# answered "pending" for something else (a shared tier's existence check of a key
+# the node does not know, or another request's promotion); "at once": no wait.
+LOOKUP_KINDS = ("at once", "promotion", "other wait")
+
+
 @dataclass
 class Totals:
+    """What the engine saw, in one accounting: every block a completed request needed
+    was either loaded (and counted once, by the tier it came from: `served`) or
+    recomputed, so `sum(served.values()) + recomputed == blocks`."""
+
     requests: int = 0
     blocks: int = 0
-    cpu_hits: int = 0  # hits at the first lookup: already in the CPU tier
-    promoted_hits: int = 0  # hits that needed a promotion first
+    # Loaded blocks by origin: "cpu" for blocks that were in the CPU tier already, a
+    # tier's name for blocks a promotion brought from it (the broker says which, in
+    # each load's reply, once per promoted block).
+    served: dict[str, int] = field(default_factory=lambda: {"cpu": 0})
     recomputed: int = 0
     verified: int = 0
     mismatches: int = 0
@@ -53,7 +66,10 @@ class Totals:
     stores_refused: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0
-    lookup_s: list[float] = field(default_factory=list)  # until answered, promotions included
+    # From a request's admission until its lookup was answered (asking again while
+    # it answered "pending"), by why it took that long (`LOOKUP_KINDS`).
+    lookup_s: dict[str, list[float]] = field(
+        default_factory=lambda: {kind: [] for kind in LOOKUP_KINDS})
     load_s: list[float] = field(default_factory=list)  # from issue to landed
     step_s: list[float] = field(default_factory=list)  # one batched round trip
 
@@ -75,8 +91,10 @@ class Active:
     gpu: list[int]
     started: float
     phase: Phase = Phase.LOOKUP
-    first_hits: int | None = None
     hits: int = 0
+    waited: bool = False  # a lookup answered "pending": promotions were on their way
+    lookup_s: float = 0.0  # from admission until the lookup was answered
+    sources: dict[str, int] = field(default_factory=dict)  # of the loaded hits, by tier
     job: int | None = None
     job_started: float = 0.0
 
@@ -120,7 +138,8 @@ class Engine:
 
     def run(self, requests: list[Request], tick: Callable[[int], None], speedup: float) -> None:
         """Serve every request, each no earlier than its arrival time (the trace's
-        timestamp, `speedup` times faster); `tick(n)` after each one completes."""
+        timestamp, `speedup` times faster); `tick(n)` after each engine step in which
+        n requests completed (the totals then hold all of them)."""
         waiting = list(enumerate(requests))
         waiting.reverse()
         active: list[Active] = []
@@ -143,7 +162,8 @@ class Engine:
             for a in done:
                 active.remove(a)
                 self._free.extend(a.gpu)
-                tick(1)
+            if done:
+                tick(len(done))
 
     # -- one engine step -------------------------------------------------------------
 
@@ -189,13 +209,12 @@ class Engine:
         """Record a lookup's answer; True once the request stops asking."""
         if isinstance(found, Exception):
             raise found
-        if a.first_hits is None:
-            a.first_hits = found.hits
+        a.waited = a.waited or found.pending
         waited = time.perf_counter() - a.started
         if found.pending and waited < MAX_PENDING_S:
             return False
         self.totals.gave_up_waiting += found.pending
-        self.totals.lookup_s.append(waited)
+        a.lookup_s = waited
         a.hits = found.hits
         return True
 
@@ -208,9 +227,9 @@ class Engine:
         except RemoteError as e:
             if e.code != "bad_request":
                 raise
-            a.hits = 0  # evicted since the lookup: ask again
-            self.totals.lookup_s.pop()
+            a.hits = 0  # evicted since the lookup: recompute (its lookup time stands)
             return
+        a.sources = dict(load.sources)
         a.phase, a.job, a.job_started = Phase.LOADING, load.job_id, time.perf_counter()
 
     def _landed(self, a: Active, ok: bool) -> None:
@@ -226,7 +245,7 @@ class Engine:
                         log.error("block %s on rank %d came back with wrong bytes", key.hex(),
                                   rank)
         else:
-            a.hits = 0  # an engine recomputes what it could not load
+            a.hits, a.sources = 0, {}  # an engine recomputes what it could not load
         self._compute_and_store(a)
 
     def _compute_and_store(self, a: Active) -> None:
@@ -256,8 +275,12 @@ class Engine:
         t = self.totals
         t.requests += 1
         t.blocks += len(a.keys)
-        first = a.first_hits or 0
-        t.cpu_hits += min(first, a.hits)
-        t.promoted_hits += max(0, a.hits - first)
+        promoted = 0
+        for tier, n in a.sources.items():
+            t.served[tier] = t.served.get(tier, 0) + n
+            promoted += n
+        t.served["cpu"] += a.hits - promoted
         t.recomputed += len(a.keys) - a.hits
+        kind = "promotion" if promoted else "other wait" if a.waited else "at once"
+        t.lookup_s[kind].append(a.lookup_s)
         a.phase, a.job = Phase.DONE, None

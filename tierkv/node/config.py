@@ -1,9 +1,12 @@
 """One TOML file configures a whole node; defaults make a working single node.
 
-Every section is a dataclass; loading checks every key against it, so an unknown
-key, a wrong type, a missing required value or an impossible size is one
-`ConfigError` naming the key and the file. Tier entries are checked against their
-backend's constructor when the tier is created (`tierkv.tiers.registry`).
+Every section is a dataclass whose fields carry their meaning; loading checks every
+key against it, so an unknown key, a wrong type, a missing required value or an
+impossible size is one `ConfigError` naming the key and the file. Each `[[tiers]]`
+entry is checked the same way against its type's own options, found through the
+tier registry (`tierkv.tiers.registry.check_tier_entry`): nothing is created and
+nothing is contacted. `tierkv config --explain` prints every key
+(`tierkv.node.reference`).
 
     instance = "node0"
     namespace = "llama3-8b/bf16/l32"
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.core.policies import known_policies
+from tierkv.tiers.registry import TierOptionError, check_tier_entry
 from tierkv.wire.sockets import CurveClientKeys
 
 
@@ -35,61 +39,77 @@ class ConfigError(ValueError):
     """A bad config value; the message names the file and the key."""
 
 
+def doc(default: Any, text: str) -> Any:
+    """A field with its meaning attached: `tierkv config --explain` prints it."""
+    return field(default=default, metadata={"doc": text})
+
+
 @dataclass
 class CpuConfig:
-    num_blocks: int = 1024
-    page_size: int = 256 * 1024  # bytes of one block of one rank (all layers, K and V)
-    world_size: int = 1
-    policy: str = "lru"
-    reuse_threshold: int = 0  # 0: store every block; n: only after n lookups
-    # Keys waiting to be cascaded to one secondary tier, at most; past it new blocks
-    # skip that tier rather than pin the CPU tier. 0: a quarter of num_blocks, >= 64.
-    cascade_backlog_blocks: int = 0
-    # Allocate the whole region at start (about 1.5 s per GiB here) rather than
-    # on the first stores, which otherwise run ten times slower.
-    prefault: bool = True
+    """The CPU tier: one shared-memory region of fixed-size blocks."""
+
+    num_blocks: int = doc(1024, "blocks in the CPU tier")
+    page_size: int = doc(256 * 1024, "bytes of one block of one rank, all layers, K and V: "
+                         "the engine layout's page_size")
+    world_size: int = doc(1, "tensor-parallel ranks: one gpu worker each, one page each "
+                          "per block")
+    policy: str = doc("lru", "the eviction policy (see `known` below)")
+    reuse_threshold: int = doc(0, "0: store every block; n: only after n lookups of it")
+    cascade_backlog_blocks: int = doc(0, "keys waiting to be cascaded to one secondary tier, "
+                                      "at most; past it new blocks skip that tier rather than "
+                                      "pin the CPU tier. 0: a quarter of num_blocks, >= 64")
+    prefault: bool = doc(True, "allocate the whole region at start (about 1.5 s per GiB) "
+                         "rather than on the first stores, which then run ten times slower")
 
 
 @dataclass
 class BrokerConfig:
-    # Empty: ipc sockets in the run directory (owner-only).
-    client_address: str = ""
-    worker_address: str = ""
-    tier_address: str = ""
-    tick_ms: float = 5.0  # a step when no client has stepped for this long
-    # A block a lookup reported as a hit (or promoted) to a request stays there for
-    # it this long after the request last asked, unless it loads it or finishes.
-    lease_s: float = 10.0
-    heartbeat_s: float = 0.5  # a peer silent for 3 intervals is dead
-    job_timeout_s: float = 30.0  # deadline of one transfer or tier job
-    drain_timeout_s: float = 10.0  # how long SIGTERM waits for in-flight jobs
-    metrics_port: int = 0  # Prometheus metrics on 127.0.0.1; 0: off
-    # A PUB socket with every stored/removed event of the node, for routers (each
-    # client gets the events of its own blocks in `step`); "": off.
-    events_address: str = ""
-    # CurveZMQ (required for a tcp address beyond loopback): the broker's secret key
-    # file and a directory of the public keys it lets in (see `tierkv keygen`).
-    curve_secret_file: str = ""
-    curve_authorized_dir: str = ""
+    """The broker: its sockets, its clock and its deadlines."""
+
+    client_address: str = doc("", "where engines connect; empty: an ipc socket in the run "
+                              "directory (owner-only); tcp beyond loopback needs CurveZMQ")
+    worker_address: str = doc("", "where gpu workers connect (empty: ipc in the run directory)")
+    tier_address: str = doc("", "where tier processes connect (empty: ipc in the run "
+                            "directory)")
+    tick_ms: float = doc(5.0, "a step when no client has stepped for this long")
+    lease_s: float = doc(10.0, "a block a lookup reported as a hit (or promoted) to a "
+                         "request stays there for it this long after the request last "
+                         "asked, unless it loads it or finishes")
+    heartbeat_s: float = doc(0.5, "heartbeat interval; a peer silent for 3 is dead")
+    job_timeout_s: float = doc(30.0, "deadline of one transfer or tier job")
+    drain_timeout_s: float = doc(10.0, "how long a stopping broker waits for jobs in flight")
+    metrics_port: int = doc(0, "Prometheus metrics on 127.0.0.1:<port>; 0: off")
+    events_address: str = doc("", "a PUB socket with every stored/removed event of the "
+                              "node, for routers (each client gets the events of its own "
+                              "blocks in `step`); empty: off")
+    curve_secret_file: str = doc("", "CurveZMQ: the broker's secret key file (`tierkv "
+                                 "keygen`); required for a tcp address beyond loopback")
+    curve_authorized_dir: str = doc("", "CurveZMQ: a directory of the public keys let in")
 
 
 @dataclass
 class WorkerConfig:
-    device: str = "auto"  # auto | cpu | cuda
+    """The gpu workers, one per rank."""
+
+    device: str = doc("auto", "auto | cpu | cuda: where the engine's KV cache lives")
 
 
 @dataclass
 class GpuConfig:
-    allow_unpinned: bool = False  # run CUDA copies from an unpinned CPU tier (synchronous, slow)
+    """CUDA workers."""
+
+    allow_unpinned: bool = doc(False, "run CUDA copies from a CPU tier that could not be "
+                               "pinned (cudaHostRegister failed): synchronous and slow")
 
 
 @dataclass
 class ClientConfig:
-    timeout_s: float = 10.0  # every client call waits at most this long
-    # CurveZMQ for clients, workers and tiers: their own secret key file and the
-    # broker's public key file (both needed when the broker has curve on).
-    curve_secret_file: str = ""
-    curve_server_public_file: str = ""
+    """Clients of the broker: engines, and the workers and tiers themselves."""
+
+    timeout_s: float = doc(10.0, "every client call waits at most this long")
+    curve_secret_file: str = doc("", "CurveZMQ: this side's secret key file")
+    curve_server_public_file: str = doc("", "CurveZMQ: the broker's public key file (both "
+                                        "are needed when the broker has curve on)")
 
     def curve_keys(self) -> CurveClientKeys | None:
         if not self.curve_secret_file:
@@ -99,30 +119,45 @@ class ClientConfig:
 
 @dataclass
 class SupervisorConfig:
-    ready_timeout_s: float = 60.0
-    stop_timeout_s: float = 20.0
-    restart_backoff_s: float = 0.5
-    restart_backoff_max_s: float = 10.0
-    log_lines: int = 40  # recent lines of each child kept for error reports
-    # A broker that answered once and then misses this many `stats` probes in a row
-    # (each waits broker_probe_s) is hung: killed and restarted. 0 turns probes off.
-    broker_probe_s: float = 5.0
-    broker_probe_misses: int = 3
+    """`tierkv up`: starting, restarting, probing and logging the node's processes."""
+
+    ready_timeout_s: float = doc(60.0, "how long a process may take to say it is ready")
+    stop_timeout_s: float = doc(20.0, "how long a stopping process may take before SIGKILL")
+    restart_backoff_s: float = doc(0.5, "first delay before restarting a process that died")
+    restart_backoff_max_s: float = doc(10.0, "the delay doubles while it keeps dying, up to "
+                                       "this")
+    log_lines: int = doc(40, "recent lines of each process kept for error reports")
+    broker_probe_s: float = doc(5.0, "interval and timeout of the `stats` probe of the broker; "
+                                "0: no probes")
+    broker_probe_misses: int = doc(3, "a broker that answered once and then misses this many "
+                                   "probes in a row is hung: killed and restarted")
+    log_file_bytes: int = doc(16 * 2**20, "the node's log (node.log in the run directory: "
+                              "the supervisor's lines and every process's) rotates at this "
+                              "size")
+    log_file_count: int = doc(4, "log files kept (node.log, node.log.1, ...): the log never "
+                              "takes more than log_file_count x log_file_bytes")
 
 
 @dataclass
 class Config:
-    instance: str = "tierkv"
-    namespace: str = "default"
-    run_dir: str = ""  # default: $XDG_RUNTIME_DIR/tierkv/<instance> or /tmp/tierkv-<uid>/...
-    log_level: str = "info"
+    """The node: one TOML file, every section optional."""
+
+    instance: str = doc("tierkv", "the node's name: its shared memory is /tierkv.<instance>."
+                        "cpu; one node per instance on a machine")
+    namespace: str = doc("default", "model, dtype, layout: two models never read each other's "
+                         "blocks from a shared tier")
+    run_dir: str = doc("", "sockets, node.toml, supervisor.json and node.log; default "
+                       "$XDG_RUNTIME_DIR/tierkv/<instance> or /tmp/tierkv-<uid>/tierkv/<instance>")
+    log_level: str = doc("info", "debug | info | warning | error")
     cpu: CpuConfig = field(default_factory=CpuConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
-    tiers: list[dict[str, Any]] = field(default_factory=list)
+    tiers: list[dict[str, Any]] = field(
+        default_factory=list, metadata={"doc": "secondary tiers, fastest first: [[tiers]] "
+                                        "entries (see the tier types below)"})
     source: str = field(default="<defaults>", compare=False)  # the file it came from
 
     # -- derived ----------------------------------------------------------------
@@ -282,17 +317,34 @@ def _check(c: Config) -> None:
         fail("client.curve_secret_file", "and client.curve_server_public_file go together")
     if c.log_level.lower() not in ("debug", "info", "warning", "error"):
         fail("log_level", f"must be debug, info, warning or error, got {c.log_level!r}")
+    if c.supervisor.log_file_bytes < 4096:
+        fail("supervisor.log_file_bytes", f"must be >= 4096, got {c.supervisor.log_file_bytes}")
+    if c.supervisor.log_file_count < 2:
+        fail("supervisor.log_file_count", "must be >= 2 (the file being written and one "
+             f"rotated), got {c.supervisor.log_file_count}")
     seen = set()
     for i, entry in enumerate(c.tiers):
         if "type" not in entry:
             fail(f"tiers[{i}]", "has no 'type'")
+        try:
+            check_tier_entry(entry)
+        except TierOptionError as e:
+            fail(f"tiers[{i}].{e.key}", e.why)
         name = tier_name(entry)
         if name in seen:
             fail(f"tiers[{i}].name", f"{name!r} is used twice")
         seen.add(name)
-        processes = entry.get("processes", 1)
-        if type(processes) is not int or processes < 1:
-            fail(f"tiers[{i}].processes", f"must be a positive integer, got {processes!r}")
+
+
+def check_tiers_here(c: Config) -> None:
+    """The tier checks that need this machine (a disk root exists, a credentials
+    variable is set): run by whoever starts the tier processes, before it starts
+    anything; not at every load, since a config is also read elsewhere."""
+    for i, entry in enumerate(c.tiers):
+        try:
+            check_tier_entry(entry, local=True)
+        except TierOptionError as e:
+            raise ConfigError(f"{c.source}: tiers[{i}].{e.key} {e.why}") from None
 
 
 def _shm_capacity() -> int | None:

@@ -18,9 +18,11 @@ import select
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tierkv.node.logs import read_lines
 
 #: The folder that holds `tierkv/`, `broker/` and `workers/` (a checkout, or site-packages).
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -115,9 +117,11 @@ def spawn(
     env: dict[str, str] | None = None,
     log_lines: int = 40,
     echo: bool = False,
+    sink: Callable[[str], None] | None = None,
 ) -> Child:
     """Start a child with a ready pipe and a lifeline; its output is kept (and
-    echoed to our stderr if `echo`)."""
+    echoed to our stderr if `echo`, and handed line by line to `sink`: the node's
+    log). Each line is cut to `tierkv.node.logs.LINE_BYTES`."""
     ready_r, ready_w = os.pipe()
     life_r, life_w = os.pipe()
     os.set_inheritable(ready_w, True)
@@ -137,20 +141,26 @@ def spawn(
         os.close(life_r)
     child = Child(name, list(argv), proc, ready_r, life_w, time.monotonic())
     child.log_lines = collections.deque(maxlen=log_lines)
-    child._reader = threading.Thread(target=_pump, args=(child, echo), daemon=True,
+    child._reader = threading.Thread(target=_pump, args=(child, echo, sink), daemon=True,
                                      name=f"log-{name}")
     child._reader.start()
     return child
 
 
-def _pump(child: Child, echo: bool) -> None:
+def _pump(child: Child, echo: bool, sink: Callable[[str], None] | None) -> None:
+    """Drain the child's output for as long as it runs: a pump that stopped would
+    block the child on a full pipe, so a failing sink or echo only loses lines."""
     assert child.proc.stdout is not None
-    for raw in child.proc.stdout:
-        child.bytes_logged += len(raw)
-        line = raw.decode(errors="replace").rstrip("\n")
+    for line in read_lines(child.proc.stdout):
+        child.bytes_logged += len(line) + 1
         child.log_lines.append(line)
-        if echo:
-            os.write(2, (line + "\n").encode())
+        try:
+            if sink is not None:
+                sink(line)
+            if echo:
+                os.write(2, (line + "\n").encode())
+        except (OSError, ValueError):
+            pass
 
 
 def wait_ready(children: Sequence[Child], timeout: float) -> None:

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tierkv.node.lifecycle import (
     Child,
@@ -86,7 +86,9 @@ class S3Server:
         python: str = sys.executable,
         env: Mapping[str, str] | None = None,
         name: str = "s3server",
+        sink: Callable[[str], None] | None = None,
     ) -> None:
+        """`sink` receives each line the endpoint logs (a node's log file)."""
         self.host = check_loopback(host)
         self.requested_port = port
         self.ready_timeout_s = ready_timeout_s
@@ -94,6 +96,7 @@ class S3Server:
         self.python = python
         self.extra_env = dict(env or {})
         self.name = name
+        self.sink = sink
         self.port: int | None = None
         self.child: Child | None = None
 
@@ -119,7 +122,7 @@ class S3Server:
         argv = server_argv(self.python, self.host, self.requested_port)
         env = child_environment(self.extra_env)
         deadline = time.monotonic() + self.ready_timeout_s
-        self.child = spawn(self.name, argv, env=env)
+        self.child = spawn(self.name, argv, env=env, sink=self.sink)
         try:
             wait_ready([self.child], self.ready_timeout_s)
             self.port = port_from_ready(self.child.ready_detail)
@@ -233,6 +236,7 @@ def serve(host: str, port: int) -> int:
         pass
     # Not server.stop(): a request handler blocked on a dead client could hold the
     # shutdown; the process is ending anyway.
+    log.info("local S3 endpoint on http://%s:%d stopped", _url_host(host), bound)
     return 0
 
 

@@ -1,12 +1,20 @@
 """`tierkv status`: a table of a running node, from the broker's stats and the
-supervisor's status file."""
+supervisor's status file.
+
+The status file is written when something changes, and its writer may have been
+killed since: it records start times, not durations, and each pid with its start
+time in clock ticks. So uptimes are computed now, and a process is called running
+only if its pid is alive and still the process that was started (a pid is reused).
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tierkv.client import BrokerUnavailable, Client
+from tierkv.core.shm import process_start_time
 from tierkv.node.config import Config
 
 
@@ -27,14 +35,38 @@ def gather(config: Config, timeout: float = 3.0) -> dict[str, Any]:
     return status
 
 
-def render(status: dict[str, Any]) -> str:
+def running(pid: int, start_time: int) -> bool:
+    """`pid` is alive, not a zombie, and the process that started at `start_time`
+    (clock ticks since boot; 0: unknown, the pid alone decides)."""
+    started = process_start_time(pid)
+    if started is None or _zombie(pid):
+        return False
+    return start_time == 0 or started == 0 or started == start_time
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def render(status: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
     lines = [f"tierkv node {status['instance']}"]
     stats = status.get("broker")
     sup = status.get("supervisor") or {}
+    lines.append("  " + _supervisor_line(sup, now))
+    if sup.get("log"):
+        log = sup["log"]
+        lines.append(f"  log: {log['path']} (rotating: {log['files']} files of "
+                     f"{_bytes(log['file_bytes'])} at most)")
     if stats is None:
         lines.append(f"  broker: not answering ({status.get('error', 'unknown')})")
     lines.append("")
-    lines.append(_table(["process", "pid", "state", "uptime", "restarts"], _processes(stats, sup)))
+    lines.append(_table(["process", "pid", "state", "uptime", "restarts"],
+                        _processes(stats, sup, now)))
     if stats is not None:
         lines.append("")
         lines.append(_table(
@@ -43,17 +75,32 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _processes(stats: dict[str, Any] | None, sup: dict[str, Any]) -> list[list[str]]:
+def _supervisor_line(sup: dict[str, Any], now: float) -> str:
+    if not sup:
+        return "supervisor: none (no supervisor.json in the run directory)"
+    pid = sup.get("pid", 0)
+    if running(pid, sup.get("start_time", 0)):
+        return f"supervisor: pid {pid}, up {_duration(now - sup.get('started', now))}"
+    return (f"supervisor: pid {pid} is not running (killed?); what follows is what it "
+            f"last wrote, checked now")
+
+
+def _processes(stats: dict[str, Any] | None, sup: dict[str, Any],
+               now: float) -> list[list[str]]:
     rows: dict[int, list[str]] = {}
     for child in sup.get("children", []):
+        alive = running(child["pid"], child.get("start_time", 0))
+        started = child.get("started")  # absent in a file an older supervisor wrote
         rows[child["pid"]] = [child["name"], str(child["pid"]),
-                              "running" if child["alive"] else "exited",
-                              _duration(child["uptime_s"]), str(child["restarts"])]
+                              "running" if alive else "exited",
+                              _duration(now - started) if alive and started else "-",
+                              str(child.get("restarts", 0))]
     if stats is not None:
         broker_pid = next((c["pid"] for c in sup.get("children", []) if c["name"] == "broker"),
                           None)
-        if broker_pid is None:
-            rows[-1] = ["broker", "?", stats["state"], _duration(stats["uptime_s"]), "-"]
+        if broker_pid is None or broker_pid != stats.get("pid", broker_pid):
+            rows[-1] = ["broker", str(stats.get("pid", "?")), stats["state"],
+                        _duration(stats["uptime_s"]), "-"]
         else:
             rows[broker_pid][2] = stats["state"]
         for peer in stats["peers"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tierkv.node.config import check_tiers_here
 from tierkv.node.process import process_parser, start_process
 from tierkv.node.supervisor import Node, Supervisor
 
@@ -12,7 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = process_parser("tierkv-supervisor", "run a whole tierkv node until ^C")
     parser.add_argument("--quiet-children", action="store_true",
                         help="do not echo the children's log lines")
-    started = start_process(parser, argv, "supervisor")
+    # A tier entry's checks against this machine (a disk root exists) fail here, as
+    # one line, before anything starts.
+    started = start_process(parser, argv, "supervisor",
+                            check=lambda _, config: check_tiers_here(config))
     if isinstance(started, int):
         return started
     args, config = started

@@ -1,12 +1,14 @@
 """A whole node from one config: the broker, a gpu worker per rank, the tier processes.
 
-`Node` owns the lifetimes (CONVENTIONS: the supervisor owns lifetimes): it writes
-the config the children read, starts the broker and waits for it, then the
-workers and tiers, polling every child's readiness pipe and exit together so a
-crash at start fails fast with the child's name, exit code and last lines. Each
-child holds a lifeline to this process and stops by itself if it dies. `stop`
-ends the broker first (it drains in-flight jobs while its peers still serve),
-then the rest.
+`Node` owns the lifetimes (CONVENTIONS: the supervisor owns lifetimes). `prepare`
+first claims the instance and checks what needs this machine (`preflight`): a
+refused start writes and removes nothing. Then it opens the node's log (node.log,
+rotating), sweeps what a killed earlier run left, writes the config the children
+read, starts the broker and waits for it, then the workers and tiers, polling
+every child's readiness pipe and exit together so a crash at start fails fast with
+the child's name, exit code and last lines. Each child holds a lifeline to this
+process and stops by itself if it dies. `stop` ends the broker first (it drains
+in-flight jobs while its peers still serve), then the rest.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.core.shm import region_name, remove_stale_region
+from tierkv.core.shm import process_start_time, region_name, remove_stale_region
 from tierkv.node.children import TOKEN_ENV, ChildRegistry
-from tierkv.node.config import Config, dump_config, tier_name
+from tierkv.node.config import Config, ConfigError, dump_config, tier_name
 from tierkv.node.lifecycle import (
     Child,
     ChildFailed,
@@ -33,6 +35,8 @@ from tierkv.node.lifecycle import (
     stop,
     wait_ready,
 )
+from tierkv.node.logs import NodeLog
+from tierkv.node.preflight import AlreadyRunning, InstanceClaim, check_here, check_no_live_region
 from tierkv.wire.sockets import ensure_run_dir, ipc_path
 
 log = logging.getLogger("tierkv.node.supervisor")
@@ -56,10 +60,14 @@ class Node:
         self.verbose = verbose
         self.children: dict[str, Child] = {}
         self.restarts: dict[str, int] = {}
-        self.config_path = ensure_run_dir(config.run_path) / "node.toml"
+        self.started: dict[str, tuple[float, int]] = {}  # name -> (epoch, start ticks)
+        self.config_path = config.run_path / "node.toml"
+        self.log_path = config.run_path / "node.log"
         self.s3: Any = None  # the embedded S3 endpoint, when a tier asks for one
         self._child_env: dict[str, str] = {}
         self.registry = ChildRegistry(config.run_path)  # what the broker may fence
+        self._claim = InstanceClaim(config.run_path)
+        self._log: NodeLog | None = None
 
     # -- what runs -------------------------------------------------------------------
 
@@ -79,16 +87,36 @@ class Node:
 
     # -- lifetime --------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.cleanup()  # what a killed earlier run of this instance left behind
-        self.config_path.write_text(dump_config(self._child_config()))
-        os.chmod(self.config_path, 0o600)
-        timeout = self.config.supervisor.ready_timeout_s
-        specs = self.specs()
+    def prepare(self) -> None:
+        """Claim the instance and check this machine, then open the log and sweep an
+        earlier run's leftovers. Raises AlreadyRunning or ConfigError having changed
+        nothing of a running node. Idempotent."""
+        if self._claim.held:
+            return
+        ensure_run_dir(self.config.run_path)
+        self._claim.acquire(self.config.instance)
         try:
+            check_no_live_region(self.config.instance)
+            check_here(self.config)
+            sup = self.config.supervisor
+            self._log = NodeLog(self.log_path, sup.log_file_bytes, sup.log_file_count).attach()
+            self.cleanup("an earlier run of this instance")
+        except BaseException:
+            self._release()
+            raise
+
+    def start(self) -> None:
+        self.prepare()
+        try:
+            self.config_path.write_text(dump_config(self._child_config()))
+            os.chmod(self.config_path, 0o600)
+            timeout = self.config.supervisor.ready_timeout_s
+            specs = self.specs()
             self._start([s for s in specs if s.kind == "broker"], timeout)
             self._start([s for s in specs if s.kind != "broker"], timeout)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, ChildFailed):  # said while the node's log is open
+                log.error("node %s did not start: %s", self.config.instance, e)
             self.stop()
             raise
 
@@ -101,7 +129,7 @@ class Node:
 
         if self.s3 is None:
             self.s3 = S3Server(ready_timeout_s=self.config.supervisor.ready_timeout_s,
-                               name="s3-endpoint").start()
+                               name="s3-endpoint", sink=self._sink()).start()
             # moto takes any credentials; these are placeholders, not secrets.
             for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
                 self._child_env.setdefault(var, os.environ.get(var, "tierkv-embedded"))
@@ -125,13 +153,20 @@ class Node:
         token = ChildRegistry.new_token()
         env = child_environment({**self._child_env, TOKEN_ENV: token})
         child = spawn(spec.name, spec.argv, env=env,
-                      log_lines=self.config.supervisor.log_lines, echo=self.echo)
+                      log_lines=self.config.supervisor.log_lines, echo=self.echo,
+                      sink=self._sink())
         self.registry.add(token, spec.name, child.pid)
         self.children[spec.name] = child
+        self.started[spec.name] = (time.time(), process_start_time(child.pid) or 0)
         return child
 
+    def _sink(self) -> Any:
+        return self._log.write_line if self._log is not None else None
+
     def stop(self) -> dict[str, int | None]:
-        """Broker first, then everyone else; each within the stop timeout."""
+        """Broker first, then everyone else; each within the stop timeout. Idempotent."""
+        if not self._claim.held:
+            return {}
         timeout = self.config.supervisor.stop_timeout_s
         codes: dict[str, int | None] = {}
         order = sorted(self.children.values(), key=lambda c: c.name != "broker")
@@ -151,11 +186,24 @@ class Node:
             self.s3.stop()
             self.s3 = None
         self.cleanup()
+        bad = {name: code for name, code in codes.items() if code not in (0, None)}
+        if bad:
+            log.warning("processes exited with %s", bad)
+        log.info("node %s stopped", self.config.instance)
+        self._release()
         return codes
 
-    def cleanup(self) -> list[str]:
+    def _release(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self._claim.release()
+
+    def cleanup(self, left_by: str = "") -> list[str]:
         """Remove this instance's region if its owner is dead, and socket files no
-        live broker serves. Returns what was removed."""
+        live broker serves. Returns what was removed; says so when `left_by` names
+        whose leftovers they were (an earlier run's; after our own stop, what our
+        children left is not news)."""
         from tierkv.engine import sweep_stale_kv_segments
 
         removed = sweep_stale_kv_segments(self.config.instance)
@@ -174,7 +222,10 @@ class Node:
                 if leftover.exists():
                     leftover.unlink()
         if removed:
-            log.info("cleaned up after an earlier run: %s", ", ".join(removed))
+            if left_by:
+                log.info("removed what %s left: %s", left_by, ", ".join(removed))
+            else:
+                log.debug("removed after the stop: %s", ", ".join(removed))
         return removed
 
     def pid(self, name: str) -> int:
@@ -182,6 +233,12 @@ class Node:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         os.kill(self.children[name].pid, sig)
+
+    @property
+    def log_file(self) -> dict[str, Any]:
+        sup = self.config.supervisor
+        return {"path": str(self.log_path), "file_bytes": sup.log_file_bytes,
+                "files": sup.log_file_count}
 
     def __enter__(self) -> Node:
         self.start()
@@ -238,6 +295,7 @@ class Supervisor:
         self.config = node.config
         self.stopping = False
         self.status_path = node.config.run_path / "supervisor.json"
+        self.started: tuple[float, int] = (0.0, 0)  # epoch, start ticks
         self._specs = {spec.name: spec for spec in node.specs()}
         self._backoff: dict[str, float] = {}
         self._due: dict[str, float] = {}  # name -> when to restart it
@@ -251,12 +309,21 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        try:
+            self.node.prepare()  # a refusal here has touched nothing
+        except AlreadyRunning as e:
+            log.error("%s", e)
+            return 1
+        except ConfigError as e:
+            log.error("%s", e)
+            return 2
         self.status_path.unlink(missing_ok=True)  # a killed earlier supervisor's
+        self.started = (time.time(), process_start_time(os.getpid()) or 0)
+        log.info("node %s starting; its log: %s", self.config.instance, self.node.log_path)
         try:
             self.node.start()
-        except ChildFailed as e:
-            log.error("node did not start: %s", e)
-            return 1
+        except ChildFailed:
+            return 1  # said by the node, in its log
         log.info("node %s up: %s", self.config.instance,
                  ", ".join(f"{c.name}={c.pid}" for c in self.node.children.values()))
         self._write_status()
@@ -271,11 +338,8 @@ class Supervisor:
             if self.probe is not None:
                 self.probe.stop()
             log.info("stopping node %s", self.config.instance)
-            codes = self.node.stop()
+            self.node.stop()
             self.status_path.unlink(missing_ok=True)
-        bad = {name: code for name, code in codes.items() if code not in (0, None)}
-        if bad:
-            log.warning("children exited with %s", bad)
         return 0
 
     def kill_hung_broker(self) -> None:
@@ -322,16 +386,23 @@ class Supervisor:
             self._write_status()
 
     def _write_status(self) -> None:
-        now = time.monotonic()
-        children = [
-            {"name": c.name, "pid": c.pid, "alive": c.proc.poll() is None,
-             "uptime_s": round(now - c.started_at, 1),
-             "restarts": self.node.restarts.get(c.name, 0)}
-            for c in self.node.children.values()
-        ]
+        """Start times, not durations, and each pid's start time in clock ticks: a
+        reader computes uptimes live and checks each pid is still the process it
+        names (`tierkv.node.status`), also after this supervisor was killed.
+        `alive` is what this supervisor knew when it wrote the file."""
+        children = []
+        for c in self.node.children.values():
+            started, ticks = self.node.started.get(c.name, (0.0, 0))
+            code = c.proc.poll()
+            children.append({"name": c.name, "pid": c.pid, "start_time": ticks,
+                             "started": started, "alive": code is None, "exit_code": code,
+                             "restarts": self.node.restarts.get(c.name, 0)})
+        started, ticks = self.started
         tmp = self.status_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "instance": self.config.instance,
-                                   "written": time.time(), "children": children}))
+        tmp.write_text(json.dumps({
+            "pid": os.getpid(), "start_time": ticks, "started": started,
+            "instance": self.config.instance, "written": time.time(),
+            "log": self.node.log_file, "children": children}))
         tmp.replace(self.status_path)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Container, Iterable
 from typing import Any, ClassVar
 
 from tierkv.core.keys import OffloadKey
+from tierkv.tiers.options import TierOptions
 
 
 class TierBackend(ABC):
@@ -26,6 +27,10 @@ class TierBackend(ABC):
     # True if the medium is shared between nodes, so it can hold keys this node
     # never stored: the broker then asks `exists` for keys it does not know.
     shared: ClassVar[bool] = False
+    # The options a config entry may give, as data (`tierkv.tiers.options`): checked
+    # with the rest of the config before any process starts, and printed by
+    # `tierkv config --explain`. None: taken from the constructor's signature.
+    options: ClassVar[TierOptions | None] = None
 
     @abstractmethod
     def store(self, key: OffloadKey, src: memoryview, pinned: Container[OffloadKey] = ()) -> None:

@@ -18,10 +18,17 @@ from tierkv.tiers.backend import TierBackend
 from tierkv.tiers.base import BlockRows
 from tierkv.tiers.local import LocalTier
 from tierkv.tiers.lru import LRUIndex
+from tierkv.tiers.options import Option, TierOptions, at_least
+
+OPTIONS = TierOptions("memory", "blocks in the tier process's memory, bounded, LRU (tests, "
+                      "and the model of a tier)",
+                      (Option("capacity_blocks", int, 1024, "blocks held at most",
+                              check=at_least(1)),))
 
 
 class MemoryBackend(TierBackend):
     type_name = "memory"
+    options = OPTIONS
 
     def __init__(self, capacity_blocks: int = 1024, block_bytes: int = 0) -> None:
         if capacity_blocks <= 0:

@@ -56,7 +56,6 @@ from tierkv.tiers.lru import LRUIndex
 from tierkv.tiers.registry import TierConfigError
 from workers.disk.commit import GroupCommit
 from workers.disk.layout import (
-    DEFAULT_SLAB_BYTES,
     HEADER_AREA,
     LAYOUT_VERSION,
     PAGE,
@@ -70,6 +69,7 @@ from workers.disk.layout import (
     namespace_tag,
     slot_bytes_for,
 )
+from workers.disk.options import DEFAULT_SLAB_BYTES, OPTIONS
 from workers.disk.slabs import SlabFiles, SlabGrowthFailed, fsync_dir, probe_o_direct
 
 log = logging.getLogger("tierkv.disk")
@@ -89,6 +89,7 @@ class DiskBackend(TierBackend):
     """
 
     type_name = "disk"
+    options = OPTIONS  # the constructor's keyword arguments, checked before start
 
     def __init__(
         self,

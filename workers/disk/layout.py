@@ -16,7 +16,6 @@ from tierkv.core.errors import ErrorCode, TierError
 
 PAGE = 4096  # O_DIRECT alignment of offsets, lengths and buffers (covers 512-byte sectors)
 HEADER_AREA = PAGE
-DEFAULT_SLAB_BYTES = 1 << 30
 LAYOUT_VERSION = 1
 SCAN_PROGRESS_SLOTS = 100_000  # a progress line every this many slots while scanning
 O_DIRECT_FLAG = getattr(os, "O_DIRECT", 0)

@@ -65,6 +65,7 @@ from workers.s3.connect import (
     safe_url,
     translate,
 )
+from workers.s3.options import OPTIONS
 
 log = logging.getLogger("tierkv.s3")
 T = TypeVar("T")
@@ -80,6 +81,7 @@ def _utcnow() -> datetime:
 class S3Backend(TierBackend):
     type_name: ClassVar[str] = "s3"
     shared: ClassVar[bool] = True
+    options = OPTIONS  # the constructor's keyword arguments, checked before start
 
     def __init__(
         self,

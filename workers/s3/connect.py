@@ -20,6 +20,7 @@ from tierkv.core.errors import ErrorCode, TierError
 from tierkv.node.logs import redact
 from tierkv.tiers.registry import TierConfigError
 from workers.s3.body import StreamBroken
+from workers.s3.options import key_path_problem
 
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -54,15 +55,11 @@ def env_secret(var: str, option: str) -> str:
 
 
 def check_key_path(label: str, path: str) -> None:
-    """Some S3-compatible stores (file-backed MinIO, proxies) resolve `.` and `..` in
-    object names, so a prefix or namespace made of them could reach another tenant's
-    objects; control characters break listings. Both are refused."""
-    if not path:
-        return
-    bad = [part for part in path.split("/") if part in ("", ".", "..")]
-    if bad or any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
-        raise TierConfigError(f"{label} {path!r} must be '/'-separated names without empty, "
-                              f"'.' or '..' parts or control characters")
+    """A prefix or namespace that could reach another tenant's objects is refused
+    (`workers.s3.options.key_path_problem` says why)."""
+    why = key_path_problem(path)
+    if why is not None:
+        raise TierConfigError(f"{label} {path!r} {why}")
 
 
 def check_options(name: str, bucket: str, addressing_style: str, retry_mode: str,
