@@ -76,6 +76,11 @@ class Lookup:
     statuses: list[str] | None = None  # per key, when asked: miss, hit, pending, retry
     sources: list[str | None] | None = None  # per key: the tier a hit was promoted from
 
+    def __repr__(self) -> str:
+        extra = "".join(f", {name}={getattr(self, name)!r}"
+                        for name in ("retry", "statuses", "sources") if getattr(self, name))
+        return f"Lookup(hits={self.hits}, pending={self.pending}{extra})"
+
 
 @dataclass(frozen=True, slots=True)
 class Store:

@@ -27,10 +27,10 @@ from types import FrameType
 
 import zmq
 
+from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.shm import RegionError, SharedRegion
 from tierkv.node.children import take_token
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
-from tierkv.node.logs import RateLimitedLog, foreign
 from tierkv.wire.protocol import (
     Bye,
     Heartbeat,

@@ -639,3 +639,21 @@ def test_lookup_keys_answers_a_status_per_key(region):
     found, status = mgr.lookup_keys(k(1, 9, 3), "r")
     assert status == [HIT, MISS, HIT] and found.hits == 1
     assert mgr.source_of(k(1)[0]) == "a" and mgr.source_of(k(3)[0]) is None
+
+
+def test_a_lookups_promotion_never_evicts_the_hits_it_reports(region):
+    """Found by the random test: a lookup reported a hit on a key that its own
+    promotion of the next key then evicted (a lookup without a request id holds
+    no lease), so the load that followed found the key gone."""
+    a = MemoryTier(region, capacity_blocks=64, name="a")
+    mgr = manager(region, a)
+    gpu_store(mgr, region, k(1, 2))
+    settle(mgr)
+    evict_all(mgr, region)  # 1 and 2 only in tier a; the CPU tier is full of others
+    gpu_store(mgr, region, k(1))  # 1 is back in the CPU tier...
+    settle(mgr)
+    mgr.touch(k(*range(101, 106)))  # ...and the least recently used block there
+    found = mgr.lookup(k(1, 2))  # 1 a hit; 2 is promoted into the room it needs
+    assert found.hits == 1 and found.pending
+    assert mgr.primary.is_ready(k(1)[0])
+    assert gpu_load(mgr, region, k(1)) == [pattern(k(1)[0], region.block_bytes)]

@@ -138,13 +138,14 @@ class PrimaryTier:
     # -- stores ----------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Iterable[OffloadKey], *, filtered: bool = True
+        self, keys: Iterable[OffloadKey], *, filtered: bool = True,
+        protect: Iterable[OffloadKey] = (),
     ) -> PrepareStoreOutput | None:
         """Allocate blocks in `writing` for the keys not present yet.
 
         Evicts ready, unreferenced blocks through the policy when needed, never one
-        of `keys`. Returns None, changing nothing, if room cannot be made.
-        `filtered=False` bypasses the reuse filter (promotions from a lower tier).
+        of `keys` or of `protect`. Returns None, changing nothing, if room cannot be
+        made. `filtered=False` bypasses the reuse filter (promotions from a lower tier).
         """
         blocks = self._blocks
         keys = list(keys)
@@ -159,7 +160,9 @@ class PrimaryTier:
             if shortfall > self.num_blocks:
                 self._counters["stores_refused"] += 1
                 return None
-            victims = self.policy.evict(shortfall, _Pinned(blocks, set(keys)))
+            call_keys = set(keys)
+            call_keys.update(protect)
+            victims = self.policy.evict(shortfall, _Pinned(blocks, call_keys))
             if victims is None:
                 self._counters["stores_refused"] += 1
                 return None

@@ -210,7 +210,7 @@ class TieringManager:
                 if status is not None:
                     status[i] = RETRY
                 continue
-            if not self._start_promotion(key, holder, req_id):
+            if not self._start_promotion(key, holder, req_id, keys):
                 # Every CPU block is busy (being written, read or cascaded): that
                 # passes, and loading beats recomputing, so the engine asks again.
                 retry = True
@@ -400,8 +400,10 @@ class TieringManager:
                 unknown = True
         return None, unknown
 
-    def _start_promotion(self, key: OffloadKey, tier: int, req_id: ReqId) -> bool:
-        out = self.primary.prepare_store([key], filtered=False)
+    def _start_promotion(self, key: OffloadKey, tier: int, req_id: ReqId,
+                         lookup: Sequence[OffloadKey]) -> bool:
+        # Never evict what this very lookup reports as hits (or is promoting).
+        out = self.primary.prepare_store([key], filtered=False, protect=lookup)
         if out is not None:
             self._forget_origin(out.evicted_keys)
         if out is None or not out.keys_to_store:
