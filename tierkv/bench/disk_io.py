@@ -153,7 +153,7 @@ class Tier:
         root.mkdir(parents=True)
         self.backend = DiskBackend(str(root), count * slot_bytes_for(region.block_bytes),
                                    block_bytes=region.block_bytes, namespace="bench",
-                                   **options)  # type: ignore[arg-type]
+                                   **options)
         self.runner = JobRunner(self.backend, region, threads=threads)
         self.count = count
 

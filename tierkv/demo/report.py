@@ -126,7 +126,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     series = report["series"]
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     names = list(report["served_blocks"])
-    colors = dict(zip(names, plt.get_cmap("tab10").colors, strict=False))
+    cmap = plt.get_cmap("tab10")
+    colors = {name: cmap(i % 10) for i, name in enumerate(names)}
     for i, p in enumerate(series):
         bottom = 0.0
         width = max(p["t1"] - p["t0"], 1e-3)
