@@ -172,6 +172,7 @@ class RemoteTier(SecondaryTier):
     def on_hello(self, identity: bytes, hello: TierHello) -> None:
         self.type = hello.type
         self.index.shared = hello.shared
+        self.index.refreshed = hello.shared and hello.refresh_s > 0
         self.capacity_bytes = hello.capacity_bytes
         # Not ready for work until its whole inventory arrived (Inventory.last).
         self._peers[identity] = _TierPeer(identity, hello.pid)

@@ -35,6 +35,7 @@ from tierkv.wire.protocol import (
 from tierkv.wire.sockets import CurveError
 from tierkv.wire.wakeup import Wakeup
 from workers.link import BrokerLink, LinkRefused, PeerService
+from workers.listing import Refresher
 
 log = logging.getLogger("tierkv.tier")
 
@@ -57,6 +58,7 @@ class TierService(PeerService):
         self.backend: TierBackend | None = None
         self.runner: JobRunner | None = None
         self.wakeup = Wakeup()
+        self.refresher: Refresher | None = None  # a shared tier's background listing
         self._block_bytes = 0
 
     def _backend(self, region: SharedRegion) -> TierBackend:
@@ -78,10 +80,12 @@ class TierService(PeerService):
         backend = self._backend(region)
         inventory = backend.inventory()
         pid = os.getpid()
+        refresh_s = float(self.entry.get("refresh_s", 5.0)) if backend.shared else 0.0
         hello = TierHello(
             self.name, backend.type_name, pid, process_start_time(pid) or 0,
             shared=backend.shared, capacity_bytes=backend.capacity(),
             namespace=self.config.namespace, inventory_total=len(inventory), token=self.token,
+            refresh_s=refresh_s,
         )
         chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],
                             last=i + INVENTORY_CHUNK >= len(inventory))
@@ -96,6 +100,8 @@ class TierService(PeerService):
                 raise LinkRefused(f"the broker's layout {layout} is not the region's "
                                       f"{region.layout}")
             self.runner = JobRunner(backend, region, threads=self.threads, wakeup=self.wakeup)
+            if refresh_s > 0:
+                self.refresher = Refresher(backend, refresh_s, inventory, self.wakeup)
             link.send(Ready(self.credit))
         except BaseException:
             link.close()
@@ -116,11 +122,18 @@ class TierService(PeerService):
                 if isinstance(msg, TierJobBatch):
                     self._accept(msg, runner)
             self._push(link, runner)
+            if self.refresher is not None:
+                self._announce(link, self.refresher.take())
             link.keep_alive()
             self.parent_died(0)
         # Stopping: finish what we hold and report it, then say goodbye.
         runner.drain(self.config.broker.drain_timeout_s)
         self._push(link, runner)
+
+    def _announce(self, link: BrokerLink, keys: list[bytes]) -> None:
+        """Keys the listing found that other nodes stored: more inventory."""
+        for i in range(0, len(keys), INVENTORY_CHUNK):
+            link.send(Inventory(keys[i : i + INVENTORY_CHUNK], last=True))
 
     def _stats(self, runner: JobRunner) -> dict[str, Any]:
         assert self.backend is not None
@@ -142,6 +155,9 @@ class TierService(PeerService):
             link.send(TierDoneBatch(results, credit=len(results)))
 
     def end_session(self, region: SharedRegion) -> None:
+        if self.refresher is not None:
+            self.refresher.close()
+            self.refresher = None
         if self.runner is not None:
             self.runner.drain(self.config.broker.drain_timeout_s)
             self.runner.close()

@@ -199,8 +199,9 @@ class TieringManager:
             if holder is None:
                 if unknown:  # a shared tier is asked whether it holds the key
                     retry, may_promote = True, False
-                    if status is not None:
-                        status[i] = RETRY
+                    if status is None:
+                        break  # one existence check per request and lookup, no more
+                    status[i] = RETRY
                     continue
                 if status is None:
                     break  # no tier holds it: the prefix ends here

@@ -2,9 +2,12 @@
 
 The index is filled from the tier's inventory at hello, grows with each store the
 tier reports and shrinks with its evictions and failed loads. A shared tier (S3)
-may also hold keys other nodes stored: an unknown key is then queued for an
-asynchronous `exists` check, looks pending meanwhile, and a negative answer is
-cached for `negative_ttl` seconds so a miss does not cost a request every step.
+may also hold keys other nodes stored. Those are found by the tier's own listing,
+refreshed in the background and reported as more inventory (`refreshed`): then an
+unknown key is a miss and no lookup waits. Without a listing, an unknown key is
+queued for an asynchronous `exists` check, looks unknown meanwhile (the manager
+checks only the first such key of a request), and a negative answer is cached for
+`negative_ttl` seconds so a miss does not cost a request every step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class TierIndex:
         self.max_negative = max_negative
         self._clock = clock
         self.present: set[OffloadKey] = set()
+        # The tier reports what other nodes store (a background listing): what it
+        # has not reported is not there, and no lookup waits on an existence check.
+        self.refreshed = False
         self._negative: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> expiry
         self._checking: set[OffloadKey] = set()
         self._to_check: list[OffloadKey] = []
@@ -37,8 +43,8 @@ class TierIndex:
         """True/False, or None while an existence check is queued or running."""
         if key in self.present:
             return True
-        if not self.shared:
-            return False
+        if not self.shared or self.refreshed:
+            return False  # a refreshed index knows what the tier holds
         if key in self._checking:
             return None
         expiry = self._negative.get(key)

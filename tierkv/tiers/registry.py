@@ -59,7 +59,10 @@ FRAMEWORK = TierOptions("any", "keys every tier entry takes", (
            "tier is one process per root)", check=at_least(1)),
     Option("threads", int, 8, "I/O threads of each tier process", check=at_least(1)),
     Option("negative_ttl_s", float, 2.0, "how long the broker remembers that a shared tier "
-           "does not hold a key", check=at_least(0)),
+           "does not hold a key (when it asks: refresh_s = 0)", check=at_least(0)),
+    Option("refresh_s", float, 5.0, "a shared tier (S3) lists what other nodes stored this "
+           "often, so lookups never wait on an existence check; 0: no listing, the first "
+           "unknown key of a request is checked instead", check=at_least(0)),
 ))
 FRAMEWORK_KEYS = frozenset(FRAMEWORK.names())
 # Arguments the framework passes to a backend's constructor (never config keys).

@@ -368,6 +368,9 @@ class TierHello(Message):
     namespace: str = ""
     inventory_total: int = 0  # keys that follow in Inventory messages
     token: str = ""  # the token the supervisor gave this process (see WorkerHello)
+    # A shared tier that lists what other nodes store this often (0: it does not):
+    # keys it has not reported are misses, not existence checks.
+    refresh_s: float = 0.0
 
 
 @message("inventory")
