@@ -11,6 +11,7 @@ Socket-free: `BrokerCore` hands it decoded requests and sends what it returns.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,8 +44,7 @@ class _Groups:
         self.counts = unpack_counts(groups.counts, f"ops.{name}.counts")
         self.req_ids = groups.req_ids
         self.keys = keys
-        ends = np.cumsum(self.counts, dtype=np.int64)
-        self.offsets = [start, *(start + ends).tolist()]
+        self.offsets = list(accumulate(self.counts, initial=start))
         self.end = self.offsets[-1]
 
     def __iter__(self) -> Iterator[tuple[int, str | None, list[OffloadKey]]]:
@@ -124,14 +124,14 @@ class StepOps:
 
     def _lookup(self, groups: _Groups, per_key: bool, out: dict[str, Any]) -> None:
         manager = self.core.manager
-        hits = np.zeros(len(groups), np.int32)
-        state = np.zeros(len(groups), np.uint8)
+        hits: list[int] = []
+        state: list[int] = []
         statuses: list[int] = []
         sources: list[int] = []
         contexts = self.contexts
         tier_index = {t.name: i + 1 for i, t in enumerate(manager.tiers)}
-        for i, req_id, keys in groups:
-            context = contexts.get(req_id) if req_id is not None and contexts else None
+        for _, req_id, keys in groups:
+            context = contexts.get(req_id) if contexts and req_id is not None else None
             allowed = context.tiers if context is not None else None
             if per_key:
                 found, status = manager.lookup_keys(keys, req_id, allowed)
@@ -140,12 +140,13 @@ class StepOps:
                                else 0 for k, st in zip(keys, status, strict=True))
             else:
                 found = manager.lookup(keys, req_id, allowed)
-            hits[i] = found.hits
-            state[i] = 2 if found.retry else 1 if found.pending else 0
-        out["hits"], out["state"] = hits.tobytes(), state.tobytes()
+            hits.append(found.hits)
+            state.append(2 if found.retry else 1 if found.pending else 0)
+        out["hits"] = np.asarray(hits, np.int32).tobytes()
+        out["state"] = bytes(state)
         if per_key:
-            out["status"] = np.asarray(statuses, np.uint8).tobytes()
-            out["sources"] = np.asarray(sources, np.uint8).tobytes()
+            out["status"] = bytes(statuses)
+            out["sources"] = bytes(sources)
             out["tiers"] = [t.name for t in manager.tiers]
 
     def _pin(self, groups: _Groups, out: dict[str, Any], each: Any) -> None:

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from tierkv.core.keys import OffloadEvent, OffloadKey, check_keys
+from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
 from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
@@ -68,7 +68,7 @@ __all__ = ["Batch", "BrokerUnavailable", "Client", "JobResult", "Load", "Lookup"
            "ProtocolError", "RemoteError", "RequestContext", "Reserve", "Step", "Store"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: an engine step builds hundreds of them
 class Lookup:
     hits: int  # leading keys ready in the CPU tier (leased to the request, if named)
     pending: bool  # ask again next step: promotions are on their way (or see retry)
@@ -320,9 +320,13 @@ class Client:
                 if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
                     self._give_up(timeout)
         while True:
-            if not sock.poll(_ms_left(deadline), zmq.POLLIN):
+            # A receive with a timeout: one call, where poll-then-receive is two.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms_left(deadline)))
+            try:
+                data = sock.recv()
+            except zmq.Again:
                 self._give_up(timeout)
-            reply = decode(sock.recv())
+            reply = decode(data)
             if isinstance(reply, Reply) and reply.id == request_id:
                 return reply
             # A stale reply to an earlier call that timed out: skip it.
@@ -373,8 +377,9 @@ class Batch:
 
     def _add(self, name: str, keys: Sequence[OffloadKey], req_id: str | None = None,
              extra: Any = None) -> Batch:
+        # Keys are checked once for the whole batch, when it is packed (`request`).
         section = self._sections.setdefault(name, _Section())
-        section.groups.append(check_keys(keys))
+        section.groups.append(keys if isinstance(keys, (list, tuple)) else list(keys))
         section.req_ids.append(req_id or "")
         section.extra.append(extra)
         self._slots.append((name, len(section.groups) - 1))
@@ -456,7 +461,7 @@ class Batch:
             elif name in ("store", "load"):
                 fields[f"{name}_gpu"] = np.concatenate(
                     [np.asarray(e, "<i4") for e in section.extra]).tobytes()
-        blob, width, lens = pack_keys(keys)
+        blob, width, lens = _packed(keys)
         return OpsRequest(request_id, blob, width, lens, finish=self._finish,
                           contexts=self._contexts, lookup_status=self._status,
                           step=self._step, poll=self._poll, wait=self._wait,
@@ -482,6 +487,20 @@ class Batch:
         return len(self._slots)
 
 
+def _packed(keys: list[OffloadKey]) -> tuple[bytes, int, bytes]:
+    """The batch's keys as a blob, checked as a whole (C-level joins and counts):
+    bytes of 1..64, else the error `check_keys` gives, naming the culprit."""
+    try:
+        blob, width, lens = pack_keys(keys)
+    except (TypeError, ValueError):
+        check_keys(keys)  # names the key that is not bytes or too long
+        raise
+    if (width and not 0 < width <= MAX_KEY_LEN) or (lens and not 0 < min(lens) <= max(lens)
+                                                     <= MAX_KEY_LEN):
+        check_keys(keys)
+    return blob, width, lens
+
+
 def _ids(gpu_block_ids: Sequence[int], keys: Sequence[OffloadKey]) -> list[int]:
     ids = list(gpu_block_ids)
     if len(ids) != len(keys):
@@ -500,11 +519,27 @@ class _Answers:
         self._cache: dict[str, Any] = {}
 
     def in_call_order(self) -> list[Any]:
+        lookups = self._lookups() if "lookup" in self.batch._sections else []
         out: list[Any] = []
+        errors = self.errors
         for name, index in self.batch._slots:
-            error = self.errors.get((name, index))
-            out.append(error if error is not None else self.answer(name, index))
+            error = errors.get((name, index)) if errors else None
+            if error is not None:
+                out.append(error)
+            elif name == "lookup":
+                out.append(lookups[index])
+            else:
+                out.append(self.answer(name, index))
         return out
+
+    def _lookups(self) -> list[Lookup]:
+        """Every lookup's answer at once (an engine step has hundreds)."""
+        section = self.batch._sections["lookup"]
+        hits = self._array("hits", "<i4")
+        state = self._array("state", "u1")
+        if not any(section.extra):
+            return [Lookup(h, s != 0, s == 2) for h, s in zip(hits, state, strict=True)]
+        return [self._lookup(i, section) for i in range(len(hits))]
 
     def _array(self, field_name: str, dtype: str) -> list[Any]:
         if field_name not in self._cache:

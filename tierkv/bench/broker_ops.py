@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 from tierkv.client import Client
 from tierkv.core.primary import PrimaryTier
@@ -37,6 +40,7 @@ from tierkv.core.tiering import TieringManager
 from tierkv.engine import KVCache, KVLayout, allocate_kv_cache
 from tierkv.node.config import Config, config_from_dict
 from tierkv.node.supervisor import Node
+from tierkv.wire.protocol import encode
 
 KEYS_PER_REQUEST = 64
 REQUESTS_PER_STEP = 256
@@ -149,21 +153,81 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     for name, requests in steps.items():
         calls[name] = (remote_step(requests), local_step(requests), step_rounds)
     results: dict[str, Runs] = {name: ([], []) for name in calls}
-    for _ in range(repeats):
-        for name, (remote, local, n) in calls.items():
-            results[name][0].append(timed(remote, n))
-            results[name][1].append(timed(local, n))
+    payload = encode(client.batch().lookup(hot, "bench").request(1))
+    results["zmq"] = ([], [])
+    with echo_server() as address:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+
+        def raw() -> None:
+            sock.send(payload)
+            sock.recv()
+
+        try:
+            timed(raw, 200)  # connected and warm
+            for _ in range(repeats):
+                for name, (remote, local, n) in calls.items():
+                    results[name][0].append(timed(remote, n))
+                    results[name][1].append(timed(local, n))
+                results["zmq"][0].append(timed(raw, calls["lookup"][2]))
+        finally:
+            sock.close()
     return results
+
+
+ECHO = """
+import sys, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    frames = sock.recv_multipart()
+    if frames[-1] == b"stop":
+        break
+    sock.send_multipart(frames)
+"""
+
+
+@contextmanager
+def echo_server() -> Iterator[str]:
+    """A ROUTER in its own process that sends every message straight back: the raw
+    ZeroMQ round trip a request to the broker can at best match."""
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/echo.sock"
+        proc = subprocess.Popen([sys.executable, "-c", ECHO, address],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
+            yield address
+        finally:
+            stopper = zmq.Context.instance().socket(zmq.DEALER)
+            stopper.setsockopt(zmq.LINGER, 0)
+            stopper.connect(address)
+            stopper.send(b"stop")
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            stopper.close()
 
 
 def data_path(client: Client, kv: Any, blocks: int, page: int, repeats: int) -> dict[str, Any]:
     """Seconds per repeat to store then load `blocks` blocks through broker + worker,
-    and for one np.copyto of the same bytes, back to back."""
+    and for two plain copies of the same bytes, back to back: one `np.copyto` of it
+    all, and the same bytes in the pieces of the KV layout (a chunked memcpy: what a
+    copy engine must do at best, piece by piece, for this layout)."""
     nbytes = blocks * page
+    pieces = _pieces(kv.layout)
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     dst.fill(0)  # fault its pages in now, not in the first timed copy
-    stores, loads, copies = [], [], []
+    # The layout's pieces: (pieces per block, blocks, piece bytes) on the KV side,
+    # (blocks, pieces per block, piece bytes) on the CPU tier's.
+    kv_side = src.reshape(pieces, blocks, page // pieces)
+    tier_side = dst.reshape(blocks, pieces, page // pieces)
+    stores, loads, copies, chunked = [], [], [], []
     for rep in range(repeats):
         keys = [key(1_000_000 + rep * blocks + i) for i in range(blocks)]
         t0 = time.perf_counter()
@@ -177,18 +241,25 @@ def data_path(client: Client, kv: Any, blocks: int, page: int, repeats: int) -> 
         t0 = time.perf_counter()
         np.copyto(dst, src)
         copies.append(time.perf_counter() - t0)
-    return {"store": stores, "load": loads, "memcpy": copies, "bytes": nbytes}
+        t0 = time.perf_counter()
+        np.copyto(tier_side, kv_side.transpose(1, 0, 2))
+        chunked.append(time.perf_counter() - t0)
+    return {"store": stores, "load": loads, "memcpy": copies, "chunked": chunked,
+            "bytes": nbytes, "piece": page // pieces}
+
+
+def _pieces(layout: Any) -> int:
+    """How many pieces one block is in the KV cache (per tensor: its `outer`)."""
+    return sum(layout.geometry(i)[0] for i in range(len(layout.tensor_shapes)))
 
 
 def _wait(client: Client, jobs: set[int | None]) -> None:
+    """Until the jobs finished: the broker answers when they have (no polling)."""
     if None in jobs:  # a store with nothing accepted: waiting would never end
         raise RuntimeError("the broker accepted no keys of a store (refused: no room)")
-    done: set[int | None] = set()
-    while jobs - done:
-        for result in client.step().finished:
-            if not result.success:
-                raise RuntimeError(f"job {result.job_id} failed: {result.error}")
-            done.add(result.job_id)
+    for result in client.wait(list(jobs)).values():
+        if not result.success:
+            raise RuntimeError(f"job {result.job_id} failed: {result.error}")
 
 
 def main(argv: list[str] | None = None) -> int:

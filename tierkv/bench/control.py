@@ -35,10 +35,16 @@ def run(part: Part, opts: Options) -> None:
         runs = control_plane(client, rounds, repeats)
     step = f"step {REQUESTS_PER_STEP} req x {KEYS_PER_REQUEST} keys"
     labels = {
-        "lookup": (f"lookup {KEYS_PER_REQUEST} keys, round trip", "us", 1e6, True),
+        "lookup": (f"lookup {KEYS_PER_REQUEST} keys, round trip", "us", 1e6, False),
         "step_hit": (f"{step}, all hits", "ms", 1e3, True),
         "step_miss": (f"{step}, miss at the first key", "ms", 1e3, True),
     }
+    remote, raw = ([statistics.median(r) for r in rep] for rep in
+                   (runs["lookup"][0], runs["zmq"][0]))
+    part.add(Row("control", labels["lookup"][0], Stat.of(remote).scaled(1e6), "us",
+                 "raw ZeroMQ DEALER/ROUTER round trip, same bytes", ratio(raw, remote),
+                 Stat.of(raw).scaled(1e6),
+                 note="an echo ROUTER in another process: the transport alone"))
     for name, (label, unit, scale, headline) in labels.items():
         remote, local = ([statistics.median(r) for r in rep] for rep in runs[name])
         part.add(Row(

@@ -141,13 +141,14 @@ class TieringManager:
         holds starts a promotion. The hits are leased to `req_id` (if given) until
         it loads them, finishes, or `lease_s` passes. `tiers`: the secondary tiers
         this request may be served from (None: all)."""
-        self._poll_once()
+        if not self._polled:
+            self._poll_once()
         keys = keys if isinstance(keys, list) else list(keys)
         hits = self.primary.lookup(keys)
         if hits and req_id is not None:
             self.leases.lease(req_id, keys[:hits])
         pending = retry = False
-        if hits < len(keys):
+        if hits < len(keys) and (self.tiers or self.primary.contains(keys[hits])):
             pending, retry = self._scan(keys, hits, req_id, tiers, None)
         if pending or retry:
             self._counters["lookups_pending"] += 1

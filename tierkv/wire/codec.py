@@ -149,7 +149,26 @@ T = TypeVar("T")
 
 
 _SCALARS = (bytes, int, str, float, bool, type(None))
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+# Per record type: (field, default) pairs; fields at their default are not sent
+# (the other side fills them in), which keeps an engine step's message small.
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+_REQUIRED: dict[type, frozenset[str]] = {}
+
+
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        pairs = []
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = _NO_DEFAULT
+            pairs.append((f.name, default))
+        fields = _FIELDS[cls] = tuple(pairs)
+    return fields
 
 
 def _to_wire(value: Any) -> Any:
@@ -160,11 +179,13 @@ def _to_wire(value: Any) -> Any:
         if not value or isinstance(value[0], _SCALARS) and not isinstance(value[0], enum.Enum):
             return value if type(value) is list else list(value)
         return [_to_wire(v) for v in value]
-    names = _FIELD_NAMES.get(type(value))
-    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = _FIELD_NAMES[type(value)] = tuple(f.name for f in dataclasses.fields(value))
-    if names is not None:
-        return {name: _to_wire(getattr(value, name)) for name in names}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for name, default in _fields(type(value)):
+            v = getattr(value, name)
+            if default is _NO_DEFAULT or not (v is default or v == default):
+                out[name] = _to_wire(v)
+        return out
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, dict):
@@ -175,12 +196,20 @@ def _to_wire(value: Any) -> Any:
 def _from_wire(cls: type[T], obj: Any, where: str) -> T:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(obj).__name__}")
+    checkers = _checkers(cls)
     kwargs = {}
-    for name, (check, default) in _checkers(cls).items():
-        if name in obj:
-            kwargs[name] = check(obj[name], f"{where}.{name}")
-        elif default is _NO_DEFAULT:
-            raise ProtocolError(f"{where}: missing field {name!r}")
+    if len(obj) <= len(checkers) + 2:  # the fields given (most are at their default)
+        for name, value in obj.items():
+            entry = checkers.get(name)
+            if entry is not None:
+                kwargs[name] = entry[0](value, f"{where}.{name}")
+    else:  # a map of many unknown keys: walk the known fields instead
+        for name, (check, _) in checkers.items():
+            if name in obj:
+                kwargs[name] = check(obj[name], f"{where}.{name}")
+    missing = _REQUIRED[cls] - kwargs.keys()
+    if missing:
+        raise ProtocolError(f"{where}: missing field {min(missing)!r}")
     return cls(**kwargs)
 
 
@@ -188,15 +217,8 @@ def _checkers(cls: type) -> dict[str, tuple[Checker, Any]]:
     checkers = _CHECKERS.get(cls)
     if checkers is None:
         hints = typing.get_type_hints(cls)
-        checkers = {}
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory
-            else:
-                default = _NO_DEFAULT
-            checkers[f.name] = (_checker(hints[f.name]), default)
+        checkers = {name: (_checker(hints[name]), default) for name, default in _fields(cls)}
+        _REQUIRED[cls] = frozenset(n for n, (_, d) in checkers.items() if d is _NO_DEFAULT)
         _CHECKERS[cls] = checkers
     return checkers
 

@@ -127,6 +127,9 @@ class RequestContext:
 # Sections with keys, in the order they run and take their keys from the blob.
 KEY_SECTIONS = ("commit", "release", "lookup", "pin", "reserve", "touch", "store", "load",
                 "queue")
+# Arrays that go with a section: (field, bytes per item, one per key (else per group)).
+_PER_ITEM = {"commit": ("commit_ok", 1, False), "store": ("store_gpu", 4, True),
+             "load": ("load_gpu", 4, True)}
 
 
 @message("ops")
@@ -170,13 +173,15 @@ class OpsRequest(Message):
             if groups.req_ids and len(groups.req_ids) != len(counts):
                 raise ProtocolError(f"ops.{name}: {len(groups.req_ids)} req_ids for "
                                     f"{len(counts)} groups")
-            taken += int(counts.sum())
-            extra = {"commit": ("commit_ok", 1, len(counts)),
-                     "store": ("store_gpu", 4, int(counts.sum())),
-                     "load": ("load_gpu", 4, int(counts.sum()))}.get(name)
-            if extra is not None and len(getattr(self, extra[0])) != extra[1] * extra[2]:
-                raise ProtocolError(f"ops.{extra[0]}: {len(getattr(self, extra[0]))} bytes "
-                                    f"for {extra[2]} items")
+            total = sum(counts)
+            taken += total
+            extra = _PER_ITEM.get(name)
+            if extra is not None:
+                field_name, size, per_key = extra
+                items = total if per_key else len(counts)
+                if len(getattr(self, field_name)) != size * items:
+                    raise ProtocolError(f"ops.{field_name}: {len(getattr(self, field_name))} "
+                                        f"bytes for {items} items")
         if taken != n:
             raise ProtocolError(f"ops: the sections take {taken} keys, the blob has {n}")
         if taken > MAX_STEP_KEYS:
