@@ -33,9 +33,10 @@ def section(title: str) -> str:
     return README[start:end if end != -1 else None]
 
 
-def test_the_engine_example_runs_and_prints_what_its_comments_say(tmp_path, instance):
-    """Each line commented with a result (`# LookupResult(...)`) must return it."""
-    (code,) = [b for b in blocks("python") if "Client.from_config" in b]
+def run_example(marker: str, tmp_path: Path, instance: str) -> None:
+    """Run the README's python example that contains `marker` against a real node;
+    each line commented with a result (`# Lookup(...)`) must return it."""
+    (code,) = [b for b in blocks("python") if marker in b]
     config = make_config(instance, tmp_path / "run", cpu={"num_blocks": 16, "page_size": 32768},
                          tiers=[])
     path = tmp_path / "node.toml"
@@ -58,6 +59,15 @@ def test_the_engine_example_runs_and_prints_what_its_comments_say(tmp_path, inst
         finally:
             if "c" in scope:
                 scope["c"].close()
+
+
+def test_the_engine_example_runs_and_prints_what_its_comments_say(tmp_path, instance):
+    run_example("allocate_kv_cache", tmp_path, instance)
+
+
+def test_the_engine_copy_example_runs_as_written(tmp_path, instance):
+    """Protocol v2's worked example: reserve, write the rows, commit, pin, read."""
+    run_example("SharedRegion.attach", tmp_path, instance)
 
 
 def test_the_s3_example_works_as_written(tmp_path, monkeypatch):
