@@ -98,6 +98,12 @@ class BrokerMetrics(Collector):
                     + [([n], t.get("in_flight", 0)) for n, t in tiers.items()])
         yield gauge("peer_up", "Peers the broker hears from (1 ready).", ["kind", "name", "pid"],
                     [([p["kind"], p["name"], str(p["pid"])], 1.0) for p in s["peers"]])
+        yield gauge("worker_pinned", "A CUDA worker's CPU tier is pinned for DMA (1) or not "
+                    "(0: every copy is synchronous).", ["rank"],
+                    [([p["name"]], 1.0 if p["pinned"] else 0.0) for p in s["peers"]
+                     if p["kind"] == "worker" and p.get("pinned") is not None])
+        yield gauge("leases", "CPU blocks leased to requests between lookup and load.", [],
+                    [([], tiering.get("leases", 0))])
         yield gauge("tier_available", "A tier has a ready process.", ["tier"],
                     [([n], 1.0 if t.get("available") else 0.0) for n, t in tiers.items()])
         yield gauge("cpu_usage_ratio", "Share of CPU-tier blocks in use.", [],

@@ -105,12 +105,15 @@ def _processes(stats: dict[str, Any] | None, sup: dict[str, Any],
             rows[broker_pid][2] = stats["state"]
         for peer in stats["peers"]:
             name = f"{peer['kind']}:{peer['name']}"
+            state = peer["state"]
+            if peer.get("pinned") is not None:  # a CUDA worker: is its DMA asynchronous?
+                state += ", pinned" if peer["pinned"] else ", NOT pinned"
             row = rows.get(peer["pid"])
             if row is None:
-                rows[peer["pid"]] = [name, str(peer["pid"]), peer["state"],
+                rows[peer["pid"]] = [name, str(peer["pid"]), state,
                                      _duration(peer["uptime_s"]), "-"]
             else:
-                row[2] = peer["state"]
+                row[2] = state
     return list(rows.values())
 
 
