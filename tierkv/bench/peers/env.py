@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ TORCH = "torch==2.13.0"
 PINS = {"lmcache": "0.5.6", "vllm": "0.33.0"}
 STAMP_NAME = "tierkv-peers.json"
 # Bumped when what the environment must hold changes (a module added, ...).
-LAYOUT = 1
+LAYOUT = 2
 PIP_TIMEOUT_S = 900.0
 IMPORT_TIMEOUT_S = 300.0
 
@@ -250,39 +251,43 @@ def read_stamp(root: Path) -> dict[str, object] | None:
 def ensure(root: Path | None = None, rebuild: bool = False,
            echo: object = None) -> PeerEnv:
     """The peers' environment: reused when its stamp matches the pins, else built
-    (minutes). Each peer is probed by importing what its driver imports."""
+    (minutes) and each peer probed by importing what its driver imports. A reused
+    environment is not probed again (that costs seconds per peer): a peer that no
+    longer imports fails when its driver starts, and says why there."""
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     python = root / "venv" / "bin" / "python"
     log = root / "build.log"
     stamp = read_stamp(root)
-    built_s = 0.0
-    if rebuild or stamp is None or stamp.get("wanted") != wanted() or not python.exists():
-        if echo:
-            print(f"  # building the peers' environment in {root} (log: {log})",
-                  file=echo, flush=True)  # type: ignore[call-overload]
-        (root / STAMP_NAME).unlink(missing_ok=True)
-        log.write_text("")
-        t0 = time.monotonic()
-        skipped = build(root, log)
-        built_s = time.monotonic() - t0
-        stamp = {"wanted": wanted(), "skipped": skipped,
-                 "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_s": round(built_s, 1)}
-        (root / STAMP_NAME).write_text(json.dumps(stamp, indent=1) + "\n")
-    result = PeerEnv(root, python, built_s=built_s, log=log)
+    result = PeerEnv(root, python, log=log)
+    if not (rebuild or stamp is None or stamp.get("wanted") != wanted()
+            or not python.exists()):
+        result.versions = dict(stamp.get("versions") or {})  # type: ignore[call-overload]
+        result.skipped = dict(stamp.get("skipped") or {})  # type: ignore[call-overload]
+        return result
+    if echo:
+        print(f"  # building the peers' environment in {root} (log: {log})",
+              file=echo, flush=True)  # type: ignore[call-overload]
+    (root / STAMP_NAME).unlink(missing_ok=True)
+    log.write_text("")
+    t0 = time.monotonic()
+    result.skipped = build(root, log)
     env = result.process_env()
-    for peer in PINS:
-        reason = dict(stamp.get("skipped") or {}).get(peer)  # type: ignore[call-overload]
-        if reason:
-            result.skipped[peer] = str(reason)
-            continue
-        ok, said = probe(python, peer, env)
+    to_probe = [peer for peer in PINS if peer not in result.skipped]
+    with ThreadPoolExecutor(max_workers=len(PINS)) as pool:  # each import takes seconds
+        probes = dict(zip(to_probe, pool.map(lambda p: probe(python, p, env), to_probe),
+                          strict=True))
+    for peer, (ok, said) in probes.items():
         if not ok:
             result.skipped[peer] = f"{peer} does not import: {said}"
         elif said != PINS[peer]:
             result.skipped[peer] = f"{peer} {said} installed, {PINS[peer]} pinned"
         else:
             result.versions[peer] = said
+    result.built_s = time.monotonic() - t0
+    stamp = {"wanted": wanted(), "versions": result.versions, "skipped": result.skipped,
+             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_s": round(result.built_s, 1)}
+    (root / STAMP_NAME).write_text(json.dumps(stamp, indent=1) + "\n")
     return result
 
 

@@ -239,7 +239,8 @@ def _disk_comparisons(s: Session, systems: list[DiskSystem], samples: dict[str, 
     peers = systems[1:]
     kinds = [
         ("store", "durable", "store_durable", f"disk store {label} x {count}, durable",
-         "tierkv flushes once per job (fdatasync)", "+ one syncfs after its store"),
+         "tierkv flushes once per job (fdatasync)",
+         "+ fdatasync of every file it wrote, from as many threads as it writes with"),
         ("store", "plain", "store_plain", f"disk store {label} x {count}, no syncs",
          "durable=False", "as shipped (no sync)"),
         ("load", "cold", "load", f"disk load {label} x {count}, cold", "", ""),
@@ -279,7 +280,7 @@ def _restart_comparisons(s: Session, systems: list[DiskSystem], restart: dict[st
                                     note=f"found {got['found']} of {count}"))
         else:
             time_rows.append(result(ds.label, key=key,
-                                    error=f"found none of {count}: nothing to time"))
+                                    skipped=f"found none of {count}: nothing to time"))
     our_found = [float(ours["found"])] if "found" in ours else None
     s.comparisons.append(comparison(
         "disk.restart.found", "disk", f"restart: blocks found of {count} ({human(size)})",
@@ -324,7 +325,9 @@ def run_integrity(s: Session) -> None:
             return result(ds.label, key=key, skipped=skip,
                           error=None if skip else (got or {}).get("error", "not measured"))
         detected = sum(got[m]["outcome"] == "detected" for m in ("flip", "truncate", "swap"))
-        note = ", ".join(f"{m}: {got[m]['outcome']}" for m in ("flip", "truncate", "swap"))
+        who = "tierkv" if ds.system == "tierkv" else "peer"
+        note = f"{who}: " + ", ".join(f"{m} {got[m]['outcome']}"
+                                      for m in ("flip", "truncate", "swap"))
         return result(ds.label, [float(detected)], key=key, note=note)
 
     s.comparisons.append(comparison(
@@ -380,11 +383,11 @@ def run_manager(s: Session) -> None:
         skip = s.skip_reason("vllm")
         return result(f"vLLM {vl} CPUOffloadingManager ({key.split(':')[1]})", rps(key),
                       key=key, skipped=skip, error=None if skip else errors.get(key),
-                      note=f"{hits[key]:,} key hits" if key in hits else note)
+                      note=f"vLLM {hits[key]:,} key hits" if key in hits else note)
 
     def ours_result(key: str, label: str) -> dict[str, Any]:
         return result(label, rps(key), key="tierkv", error=errors.get(key),
-                      note=f"{hits[key]:,} key hits" if key in hits else "")
+                      note=f"tierkv {hits[key]:,} key hits" if key in hits else "")
 
     for p in ("lru", "arc"):
         s.comparisons.append(comparison(
@@ -577,7 +580,7 @@ def run_bound(s: Session) -> None:
         return result(ds.label, [got], key=key, note=note)
 
     s.comparisons.append(comparison(
-        "disk.bound", "disk", f"disk use after storing 3x a bound of {bound} blocks "
+        "disk.bound", "disk", f"disk use after storing 3x a bound of {bound} blocks' bytes "
         f"({human(size)})", "x bound", LOWER, entry(systems[0]),
         [entry(ds) for ds in systems[1:]], paired=False))
 

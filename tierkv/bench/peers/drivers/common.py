@@ -16,7 +16,6 @@ goes to stderr: the protocol has stdout to itself.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -24,6 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -139,16 +139,25 @@ def files_under(directory: str | Path) -> Iterator[Path]:
             yield Path(root) / name
 
 
-def syncfs(directory: str | Path) -> None:
-    """Make everything written on `directory`'s filesystem durable with one call:
-    the cheapest way a store that does not sync its files could become durable."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if libc.syncfs(fd) != 0:
-            raise OSError(ctypes.get_errno(), f"syncfs({directory}) failed")
-    finally:
-        os.close(fd)
+def sync_files(directory: str | Path, threads: int) -> int:
+    """Make a file-per-block store's blocks durable as a store that synced its own
+    writes would: `fdatasync` on every file under `directory`, issued by as many
+    threads as the store writes with, then `fsync` on every directory (its renames
+    and new names). Returns the files synced."""
+    paths = list(files_under(directory))
+    dirs = {str(p.parent) for p in paths} | {str(directory)}
+
+    def flush(path: str | Path, flags: int = os.O_RDONLY) -> None:
+        fd = os.open(path, flags)
+        try:
+            os.fdatasync(fd) if flags == os.O_RDONLY else os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        list(pool.map(flush, paths))
+        list(pool.map(lambda d: flush(d, os.O_RDONLY | os.O_DIRECTORY), sorted(dirs)))
+    return len(paths)
 
 
 # -- corruption ---------------------------------------------------------------------------

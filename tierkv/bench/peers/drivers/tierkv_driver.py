@@ -57,6 +57,12 @@ BROKER_PAGE = 4096  # the broker's cost does not depend on the page: keep shm sm
 KV_BLOCKS = 1024  # GPU blocks of the bench engine's (CPU) KV cache
 
 
+def budget(block_bytes: int, capacity_blocks: int) -> int:
+    """The bound every system is given: `capacity_blocks` blocks' bytes. tierkv's
+    slots hold a 4 KiB header too, so it keeps a few fewer blocks in the same bytes."""
+    return max(capacity_blocks * block_bytes, slot_bytes_for(block_bytes))
+
+
 class DiskTier:
     """The disk tier as its process runs it, over `rows` rows of shared memory."""
 
@@ -68,7 +74,7 @@ class DiskTier:
         try:
             self.rows = self.region.numpy()
             self.rows[:] = 0  # fault the pages in before anything is timed
-            self.backend = DiskBackend(directory, capacity_blocks * slot_bytes_for(block_bytes),
+            self.backend = DiskBackend(directory, budget(block_bytes, capacity_blocks),
                                        block_bytes=block_bytes, namespace="bench",
                                        durable=durable)
             self.runner = JobRunner(self.backend, self.region, threads=THREADS)
@@ -153,7 +159,7 @@ class Driver:
                      tag: str, count: int) -> dict[str, Any]:
         """A new process over the directory: the tier scans its slots at start."""
         t0 = time.perf_counter()
-        backend = DiskBackend(dir, capacity_blocks * slot_bytes_for(block_bytes),
+        backend = DiskBackend(dir, budget(block_bytes, capacity_blocks),
                               block_bytes=block_bytes, namespace="bench")
         try:
             found = sum(backend.exists(key_bytes(tag, i)) for i in range(count))
@@ -220,28 +226,32 @@ class Driver:
 
 
 def _inprocess(requests: list[list[bytes]], capacity: int, policy: str) -> tuple[float, int]:
-    """Each request as a scheduler drives the in-process manager; a step per
-    REQUESTS_PER_STEP requests."""
+    """Engine steps of REQUESTS_PER_STEP requests on the in-process manager, in
+    the order the vLLM replay uses: lookups and load preparation as each request
+    is scheduled, then its stores, load completions and finish, then the step."""
     from tierkv.primary import PrimaryTier
     from tierkv.tiering import TieringManager
 
     manager = TieringManager(PrimaryTier(capacity, policy, enable_events=False))
     hits = 0
     t0 = time.perf_counter()
-    for r, keys in enumerate(requests):
-        req = f"r{r}"
-        n = manager.lookup(keys, req).hits
-        if n:
-            manager.prepare_load(keys[:n], req)
-            manager.complete_load(keys[:n])
-        out = manager.prepare_store(keys[n:], req)
-        if out is not None and out.keys_to_store:
-            manager.complete_store(out.keys_to_store)
-        manager.finish(req)
-        hits += n
-        if (r + 1) % REQUESTS_PER_STEP == 0:
-            manager.step()
-    manager.step()
+    for s in range(0, len(requests), REQUESTS_PER_STEP):
+        scheduled = []
+        for r, keys in enumerate(requests[s:s + REQUESTS_PER_STEP], s):
+            req = f"r{r}"
+            n = manager.lookup(keys, req).hits
+            if n:
+                manager.prepare_load(keys[:n], req)
+            scheduled.append((req, keys, n))
+            hits += n
+        for req, keys, n in scheduled:
+            out = manager.prepare_store(keys[n:], req)
+            if out is not None and out.keys_to_store:
+                manager.complete_store(out.keys_to_store)
+            if n:
+                manager.complete_load(keys[:n])
+            manager.finish(req)
+        manager.step()
     return time.perf_counter() - t0, hits
 
 
@@ -281,7 +291,8 @@ def _node(capacity: int, policy: str) -> Iterator[Any]:
 def _through_broker(requests: list[list[bytes]], capacity: int,
                     policy: str) -> tuple[float, int]:
     """Engine steps of REQUESTS_PER_STEP requests: one round trip with their
-    lookups, one with their loads, stores and finishes; every job waited for."""
+    lookups, one with their loads, then their stores and finishes (the order of
+    the in-process and vLLM replays); every job waited for at the end."""
     with _node(capacity, policy) as client:
         hits = 0
         jobs: set[int] = set()
@@ -295,13 +306,13 @@ def _through_broker(requests: list[list[bytes]], capacity: int,
             *found, ended = batch.step().send()
             finished.update(result.job_id for result in ended.finished)
             batch = client.batch()
-            for (r, keys), lookup in zip(step, found, strict=True):
-                n = lookup.hits
-                hits += n
-                gpu = [i % KV_BLOCKS for i in range(len(keys))]
+            counts = [lookup.hits for lookup in found]
+            hits += sum(counts)
+            for (r, keys), n in zip(step, counts, strict=True):  # loads first: as scheduled
                 if n:
-                    batch.load(keys[:n], gpu[:n], f"r{r}")
-                batch.store(keys[n:], gpu[n:], f"r{r}")
+                    batch.load(keys[:n], list(range(n)), f"r{r}")
+            for (r, keys), n in zip(step, counts, strict=True):
+                batch.store(keys[n:], [i % KV_BLOCKS for i in range(n, len(keys))], f"r{r}")
                 batch.finish(f"r{r}")
             *sent, ended = batch.step().send()
             jobs.update(j for j in (getattr(x, "job_id", None) for x in sent)

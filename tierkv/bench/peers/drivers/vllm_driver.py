@@ -15,7 +15,8 @@ its dependencies (see `tierkv.bench.peers.env`).
 * Disk: the tiering manager's `fs` tier, `FileSystemTierManager`, over a primary
   view of CPU rows, with its defaults (16 read and 16 write threads, O_DIRECT when
   the filesystem allows it, a file per block written to a temporary name and
-  renamed, no fsync, no size bound). Jobs are submitted as the tiering manager
+  renamed, no fsync, no size bound; the synced variant `fdatasync`s every file
+  from 16 threads, as many as it writes with). Jobs are submitted as the tiering manager
   submits them (`submit_store`/`submit_load` of `TransferJob`s) and finished when
   `get_finished_jobs` reports them. Its C I/O extension (`vllm.fs_io_C`) links
   against CUDA libraries and does not load on a CPU-only machine; the tier then
@@ -49,7 +50,7 @@ from tierkv.bench.peers.drivers.common import (
     outcome,
     read_trace,
     serve,
-    syncfs,
+    sync_files,
     wait_until,
 )
 
@@ -67,6 +68,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
 
 BATCH = 32  # blocks per job, as tierkv's bench jobs
+WRITE_THREADS = 16  # the fs tier's default n_write_threads: the synced variant flushes with as many
 JOB_TIMEOUT_S = 600.0
 REQUESTS_PER_STEP = 16  # requests scheduled per engine step in the manager replay
 
@@ -162,7 +164,7 @@ class Driver:
     def disk_open(self, system: str, dir: str, block_bytes: int, capacity_blocks: int,
                   pool_blocks: int, durable: bool = True) -> dict[str, Any]:
         """`durable` is tierkv's option; this peer never syncs (the synced variant
-        adds one `syncfs` to `disk_store`)."""
+        adds `sync_files` to `disk_store`). The fs tier has no size bound."""
         if system != "fs":
             raise Unsupported(f"vLLM has no disk system {system!r}")
         self.disk_close()
@@ -184,7 +186,7 @@ class Driver:
         if not fs.run(keys, promotion=False):
             raise RuntimeError("a vLLM fs store job failed")
         if sync:
-            syncfs(fs.directory)
+            sync_files(fs.directory, WRITE_THREADS)
         return {"seconds": time.perf_counter() - t0}
 
     def disk_load(self, tag: str, count: int, seed: int, first: int = 0) -> dict[str, Any]:
@@ -234,7 +236,7 @@ class Driver:
         for _ in range(repeats):
             manager = CPUOffloadingManager(capacity, cache_policy=policy)
             t0 = time.perf_counter()
-            hits = replay(manager, requests)
+            hits = replay(manager, requests, REQUESTS_PER_STEP)
             seconds.append(time.perf_counter() - t0)
         return {"seconds": seconds, "hits": hits,
                 "keys": sum(len(keys) for keys in requests)}
@@ -249,33 +251,38 @@ class Driver:
         raise Unsupported("vLLM's CPU-tier copies are its GPU worker's (CUDA only)")
 
 
-def replay(manager: CPUOffloadingManager, requests: list[list[Any]]) -> int:
+def replay(manager: CPUOffloadingManager, requests: list[list[Any]],
+           per_step: int = 1) -> int:
     """Every request through the manager as the connector's scheduler drives it;
-    returns the keys that hit."""
+    returns the keys that hit. Per engine step of `per_step` requests: each is
+    looked up (one call per key, up to the first miss) and its hits prepared for
+    loading when it is scheduled; at the step's end the rest of its keys are
+    stored, its loads complete and it finishes."""
     hits = 0
-    step: list[str] = []
-    for r, keys in enumerate(requests):
-        context = ReqContext(f"r{r}")
-        for i, key in enumerate(keys):
-            context.set_offload_key_position(key, (i + 1) * 16)
-        manager.on_new_request(context)
-        n = 0
-        for key in keys:  # one lookup per key, up to the first miss
-            if manager.lookup(key, context) is LookupResult.MISS:
-                break
-            n += 1
-        if n:
-            manager.prepare_load(keys[:n], context)
-            manager.complete_load(keys[:n], context)
-        stored = manager.prepare_store(keys[n:], context)
-        if stored is not None and stored.keys_to_store:
-            manager.complete_store(stored.keys_to_store, context)
-        manager.on_request_finished(context)
-        hits += n
-        step.append(context.req_id)
-        if len(step) == REQUESTS_PER_STEP:
-            manager.on_schedule_end(ScheduleEndContext(step, ()))
-            step = []
+    for s in range(0, len(requests), per_step):
+        scheduled = []
+        for r, keys in enumerate(requests[s:s + per_step], s):
+            context = ReqContext(f"r{r}")
+            for i, key in enumerate(keys):
+                context.set_offload_key_position(key, (i + 1) * 16)
+            manager.on_new_request(context)
+            n = 0
+            for key in keys:
+                if manager.lookup(key, context) is LookupResult.MISS:
+                    break
+                n += 1
+            if n:
+                manager.prepare_load(keys[:n], context)
+            scheduled.append((context, keys, n))
+            hits += n
+        for context, keys, n in scheduled:
+            stored = manager.prepare_store(keys[n:], context)
+            if stored is not None and stored.keys_to_store:
+                manager.complete_store(stored.keys_to_store, context)
+            if n:
+                manager.complete_load(keys[:n], context)
+            manager.on_request_finished(context)
+        manager.on_schedule_end(ScheduleEndContext([c.req_id for c, _, _ in scheduled], ()))
     return hits
 
 
