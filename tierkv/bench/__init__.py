@@ -46,7 +46,7 @@ PARTS = {
 OPT_IN = {"peers": "tierkv.bench.peers"}
 DEFAULT_BUDGET_S = 180.0
 # Parts whose default budget is not DEFAULT_BUDGET_S (peers builds an environment).
-PART_BUDGETS = {"peers": 900.0}
+PART_BUDGETS = {"peers": 1200.0}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -611,8 +611,8 @@ def run_part(part: Part, opts: Options) -> None:
         env = peer_env.PeerEnv(peer_env.cache_root(), Path("/nonexistent"),
                                skipped={p: str(e) for p in peer_env.PINS})
     part.note(f"peers' environment {env.python.parent.parent}: "
-              + (f"built in {env.built_s:.0f} s" if env.built_s else "reused")
-              + f" ({time.monotonic() - t0:.0f} s with import checks)")
+              + (f"built and checked in {env.built_s:.0f} s" if env.built_s else
+                 f"reused ({time.monotonic() - t0:.0f} s)"))
     for peer in peer_env.PINS:
         part.note(f"{peer}: " + (env.versions.get(peer) or f"skipped: {env.skipped[peer]}"))
     logs = env.root / "logs"
@@ -624,7 +624,9 @@ def run_part(part: Part, opts: Options) -> None:
                 if part.over_budget(name):
                     continue
                 done = len(session.comparisons)
+                started = time.monotonic()
                 section(session)
+                part.note(f"{name}: {time.monotonic() - started:.0f} s")
                 for item in session.comparisons[done:]:  # rows as they are measured
                     for row in comparison_rows(item):
                         part.add(row)
