@@ -89,6 +89,11 @@ def test_goals_are_checked_in_the_note(record):
         assert f"goal >= 2x: {expected}" in row.note
     vllm_store = [r for r in rows if r.name.startswith("disk store") and "vLLM" in r.reference]
     assert all("goal" not in r.note for r in vllm_store)  # the goals name LMCache only
+    # The hit-ratio goal is the default policy's, against vLLM's LRU, at 4000 blocks.
+    policy = [r for r in rows if r.name.startswith("hit ratio, conversation @ 4,000")
+              and r.reference.endswith(" lru") and r.reference.startswith("vLLM")]
+    assert {("(default)" in r.name, "goal >= 1.5x" in r.note) for r in policy} == {
+        (True, True), (False, False)}
 
 
 def test_a_row_tierkv_loses_says_so():

@@ -493,7 +493,8 @@ def run_policies(s: Session) -> None:
                 got = ratios.get(("tierkv", p, str(path), capacity))
                 mark = " (default)" if p == default else ""
                 s.comparisons.append(comparison(
-                    f"policy.{name}.{capacity}.{p}", "policies",
+                    f"policy.{name}.{capacity}.{'default.' if p == default else ''}{p}",
+                    "policies",
                     f"hit ratio, {name} @ {capacity:,} blocks, tierkv {p}{mark}", "", HIGHER,
                     result(f"tierkv {p}{mark}", None if got is None else [got], key="tierkv",
                            error=None if got is not None else errors.get("tierkv", "missing")),
