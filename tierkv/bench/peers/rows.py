@@ -164,8 +164,8 @@ def policy_table(record: dict[str, Any]) -> str:
     if not cells:
         return ""
     width = max(len(label) for label in cells) + 2
-    lines = ["".ljust(width) + "".join(c.rjust(18) for c in columns)]
+    lines = ["".ljust(width) + "".join(c.rjust(20) for c in columns)]
     for label, row in cells.items():
         lines.append(label.ljust(width) + "".join(
-            (f"{row[c]:.4f}" if c in row else "-").rjust(18) for c in columns))
+            (f"{row[c]:.4f}" if c in row else "-").rjust(20) for c in columns))
     return "\n".join(lines)
