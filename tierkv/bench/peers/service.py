@@ -107,7 +107,7 @@ def _trace_files(s: Session) -> list[tuple[str, Path, tuple[int, ...]]]:
     from tierkv.workload import PRESETS, generate_workload
 
     quick = s.opts.quick
-    out = []
+    out: list[tuple[str, Path, tuple[int, ...]]] = []
     trace = s.opts.trace or DEFAULT_TRACE
     if trace.exists():
         out.append(("conversation", trace, (100, 400) if quick else (1000, 4000, 16000)))

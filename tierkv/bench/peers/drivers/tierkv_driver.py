@@ -72,7 +72,7 @@ class DiskTier:
         self.region = SharedRegion.create(f"peers{uuid.uuid4().hex[:8]}", num_blocks=rows,
                                           page_size=block_bytes)
         try:
-            self.rows = self.region.numpy()
+            self.rows: Any = self.region.numpy()
             self.rows[:] = 0  # fault the pages in before anything is timed
             self.backend = DiskBackend(directory, budget(block_bytes, capacity_blocks),
                                        block_bytes=block_bytes, namespace="bench",
