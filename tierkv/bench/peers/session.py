@@ -31,16 +31,15 @@ class DiskSystem:
     system: str  # driver
     kind: str  # the driver's disk system
     label: str
-    syncs: bool  # does it make stores durable by itself?
 
 
 def disk_systems(versions: dict[str, str]) -> list[DiskSystem]:
     lm, vl = versions.get("lmcache", "0.5.6"), versions.get("vllm", "0.33.0")
     return [
-        DiskSystem("tierkv", "disk", "tierkv disk tier", True),
-        DiskSystem("lmcache", "disk", f"LMCache {lm} local disk backend", False),
-        DiskSystem("lmcache", "fs", f"LMCache {lm} fs connector", False),
-        DiskSystem("vllm", "fs", f"vLLM {vl} fs tier", False),
+        DiskSystem("tierkv", "disk", "tierkv disk tier"),
+        DiskSystem("lmcache", "disk", f"LMCache {lm} local disk backend"),
+        DiskSystem("lmcache", "fs", f"LMCache {lm} fs connector"),
+        DiskSystem("vllm", "fs", f"vLLM {vl} fs tier"),
     ]
 
 
@@ -76,9 +75,15 @@ class Session:
                       self.logs / f"{self.starts:02d}-{system}.log")
 
     def driver(self, system: str) -> Driver | None:
-        """The running driver of `system`, or None (with the reason recorded)."""
+        """The running driver of `system`, or None (with the reason recorded). A
+        driver that died is started again: one crash costs its own rows only."""
         if self.skip_reason(system):
             return None
+        running = self.drivers.get(system)
+        if running is not None and running.proc.poll() is not None:
+            self.part.note(f"{system} driver exited ({running.proc.returncode}): restarting it")
+            running.close()
+            del self.drivers[system]
         if system not in self.drivers:
             try:
                 self.drivers[system] = self.start(system)
