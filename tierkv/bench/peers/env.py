@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.bench.peers.procs import tail
+
 TORCH = "torch==2.13.0"
 PINS = {"lmcache": "0.5.6", "vllm": "0.33.0"}
 STAMP_NAME = "tierkv-peers.json"
@@ -145,13 +147,8 @@ def _run(cmd: Sequence[str], log: Path, env: dict[str, str], timeout: float) -> 
             return 124
 
 
-def _tail(log: Path, lines: int = 3) -> str:
-    try:
-        text = [line for line in log.read_text().splitlines()
-                if line.strip() and "is ignored" not in line]
-    except OSError:
-        return ""
-    return " | ".join(text[-lines:])[-300:]
+def _tail(log: Path) -> str:
+    return tail(log, lines=3, skip="is ignored")
 
 
 def probe(python: Path, peer: str, env: dict[str, str]) -> tuple[bool, str]:

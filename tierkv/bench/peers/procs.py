@@ -130,11 +130,12 @@ class Driver:
         self.close()
 
 
-def tail(path: Path, lines: int = 4) -> str:
-    """The last meaningful lines of a log, on one line."""
+def tail(path: Path, lines: int = 4, skip: str = "") -> str:
+    """The last meaningful lines of a log, on one line (lines holding `skip` left
+    out: pip's warnings about local indexes, say)."""
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    kept = [line.strip() for line in text if line.strip()][-lines:]
-    return " | ".join(kept)[-600:] or "(empty)"
+    kept = [line.strip() for line in text if line.strip() and not (skip and skip in line)]
+    return " | ".join(kept[-lines:])[-600:] or "(empty)"

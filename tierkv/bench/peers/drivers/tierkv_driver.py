@@ -11,7 +11,8 @@ are shipped, so a change to them is measured without touching this file:
   data path, as `scripts/bench_disk.py` runs it) over rows of a real shared-memory
   region; durable as shipped (one flush per job), or `durable=False`.
 * Manager: `TieringManager` over `PrimaryTier` in process, and a real node
-  (broker + CPU worker, started as `tierkv bench control` starts one) through
+  (broker + CPU worker, `scripts.bench_broker.bench_node`, as `tierkv bench
+  control` starts one) through
   `Client.batch()`, one round trip for the lookups of an engine step and one for
   its loads, stores and finishes.
 * CPU tier: `scripts.bench_broker.data_path` through broker + CPU worker.
@@ -22,12 +23,8 @@ are shipped, so a change to them is measured without touching this file:
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -255,48 +252,17 @@ def _inprocess(requests: list[list[bytes]], capacity: int, policy: str) -> tuple
     return time.perf_counter() - t0, hits
 
 
-@contextmanager
-def _node(capacity: int, policy: str) -> Iterator[Any]:
-    """A broker and a CPU worker with `capacity` CPU blocks under `policy`, and a
-    client with the bench engine's KV cache registered; all stopped on exit."""
-    from scripts.bench_broker import layout_for
-    from tierkv.client import Client
-    from tierkv.config import config_from_dict
-    from tierkv.engine import allocate_kv_cache
-    from tierkv.supervisor import Node
-
-    instance = f"peers{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory() as tmp:
-        config = config_from_dict({
-            "instance": instance, "run_dir": str(Path(tmp)), "log_level": "warning",
-            "cpu": {"num_blocks": capacity, "page_size": BROKER_PAGE, "policy": policy},
-            "worker": {"device": "cpu"},
-            "broker": {"job_timeout_s": 120.0, "heartbeat_s": 1.0},
-            "client": {"timeout_s": 120.0},
-        }, "<peers bench>")
-        node = Node(config)
-        node.start()
-        try:
-            with allocate_kv_cache(instance, 0, layout_for(BROKER_PAGE, KV_BLOCKS)) as kv:
-                client = Client.from_config(config)
-                try:
-                    client.register_kv(0, kv.registration())
-                    yield client
-                finally:
-                    client.close()
-        finally:
-            node.stop()
-
-
 def _through_broker(requests: list[list[bytes]], capacity: int,
                     policy: str) -> tuple[float, int]:
     """Engine steps of REQUESTS_PER_STEP requests: one round trip with their
     lookups, one with their loads, then their stores and finishes (the order of
-    the in-process and vLLM replays); every job waited for at the end."""
-    with _node(capacity, policy) as client:
+    the in-process and vLLM replays). The step's jobs are waited for before the
+    next step's lookups, as those replays complete their stores at once: the
+    same requests then find the same hits, whatever the worker's speed."""
+    from scripts.bench_broker import bench_node
+
+    with bench_node(capacity, BROKER_PAGE, KV_BLOCKS, policy) as (client, _kv):
         hits = 0
-        jobs: set[int] = set()
-        finished: set[int] = set()
         t0 = time.perf_counter()
         for s in range(0, len(requests), REQUESTS_PER_STEP):
             step = list(enumerate(requests[s:s + REQUESTS_PER_STEP], s))
@@ -304,7 +270,7 @@ def _through_broker(requests: list[list[bytes]], capacity: int,
             for r, keys in step:
                 batch.lookup(keys, f"r{r}")
             *found, ended = batch.step().send()
-            finished.update(result.job_id for result in ended.finished)
+            finished = {result.job_id for result in ended.finished}
             batch = client.batch()
             counts = [lookup.hits for lookup in found]
             hits += sum(counts)
@@ -315,10 +281,9 @@ def _through_broker(requests: list[list[bytes]], capacity: int,
                 batch.store(keys[n:], [i % KV_BLOCKS for i in range(n, len(keys))], f"r{r}")
                 batch.finish(f"r{r}")
             *sent, ended = batch.step().send()
-            jobs.update(j for j in (getattr(x, "job_id", None) for x in sent)
-                        if isinstance(j, int))
             finished.update(result.job_id for result in ended.finished)
-        client.wait(sorted(jobs - finished), timeout=JOB_TIMEOUT_S)
+            jobs = {j for j in (getattr(x, "job_id", None) for x in sent) if isinstance(j, int)}
+            client.wait(sorted(jobs - finished), timeout=JOB_TIMEOUT_S)
         return time.perf_counter() - t0, hits
 
 
