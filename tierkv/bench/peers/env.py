@@ -14,7 +14,7 @@ What goes in, and why:
 * `torch==2.13.0`: the CPU build these machines keep on disk (a bare `torch`
   would download several GB of CUDA wheels). Installed in the same pip call as
   LMCache so that LMCache's own `torch` requirement resolves to it.
-* `lmcache==0.5.6` with its dependencies (about 1.8 GB; its CUDA wheels are
+* `lmcache==0.5.6` with its dependencies (the environment takes 3.8 GB; its CUDA wheels are
   installed but unused on a CPU-only machine).
 * `vllm==0.33.0 --no-deps`: its dependency list asks for torch 2.14, flashinfer,
   CUDA kernels and more, none of which the offloading managers need. Only the
