@@ -4,7 +4,9 @@
                  [--disk-dir DIR] [--s3-endpoint URL] [--trace PATH]
 
 PART is one or more of datapath, disk, s3, control, scaling, policies, or all (the
-default). Each part measures the service against the physical limit next to it,
+default); `peers` is opt-in, run only when named (tierkv beside LMCache and vLLM,
+in an environment of their own that its first run builds; see docs/benchmarks.md).
+Each part measures the service against the physical limit next to it,
 in the same run (a plain memcpy, pwrite/dd on the same filesystem, boto3 on the
 same endpoint, the in-process manager, the smallest size), prints its rows as it
 goes, and stops measuring when its time budget is spent, saying what it skipped.
@@ -40,7 +42,11 @@ PARTS = {
     "scaling": "tierkv.bench.scaling",
     "policies": "tierkv.bench.policies",
 }
+# Opt-in parts: run only when named, never by `all`.
+OPT_IN = {"peers": "tierkv.bench.peers"}
 DEFAULT_BUDGET_S = 180.0
+# Parts whose default budget is not DEFAULT_BUDGET_S (peers builds an environment).
+PART_BUDGETS = {"peers": 1200.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tierkv bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help=f"{', '.join(PARTS)} or all (default: all)")
+                        help=f"{', '.join(PARTS)} or all (default: all); opt-in: "
+                             f"{', '.join(OPT_IN)}")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes and few repeats: checks that every part runs")
-    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                         help="time for each part; what is left when it is spent is skipped "
-                             f"(default {DEFAULT_BUDGET_S:.0f})")
+                             f"(default {DEFAULT_BUDGET_S:.0f}; peers "
+                             f"{PART_BUDGETS['peers']:.0f})")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repeats per figure (default: each part's own, 5 or 3)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
@@ -69,13 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def select_parts(names: Sequence[str]) -> list[str]:
-    """The parts to run, in the canonical order; 'all' or nothing means all."""
-    unknown = [n for n in names if n != "all" and n not in PARTS]
+    """The parts to run, in the canonical order; 'all' or nothing means all the
+    parts that are not opt-in, which run only when named (after the others)."""
+    unknown = [n for n in names if n != "all" and n not in PARTS and n not in OPT_IN]
     if unknown:
-        raise ValueError(f"unknown part {unknown[0]!r}; known: {', '.join(PARTS)}, all")
-    if not names or "all" in names:
-        return list(PARTS)
-    return [p for p in PARTS if p in names]
+        raise ValueError(f"unknown part {unknown[0]!r}; known: {', '.join(PARTS)}, all, "
+                         f"{', '.join(OPT_IN)}")
+    chosen = list(PARTS) if not names or "all" in names else [p for p in PARTS if p in names]
+    return chosen + [p for p in OPT_IN if p in names]
 
 
 def run_part(name: str, opts: Options, budget_s: float, out: TextIO) -> Part:
@@ -85,7 +94,7 @@ def run_part(name: str, opts: Options, budget_s: float, out: TextIO) -> Part:
     print(f"\n== {name} (budget {budget_s:.0f} s)", file=out, flush=True)
     try:
         with part.timing():
-            importlib.import_module(PARTS[name]).run(part, opts)
+            importlib.import_module({**PARTS, **OPT_IN}[name]).run(part, opts)
     except Exception as e:  # a failed part must not stop the others
         part.error = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=out)
@@ -100,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         names = select_parts(args.parts)
     except ValueError as e:
         parser.error(str(e))
-    if args.budget <= 0 or (args.repeats is not None and args.repeats < 1):
+    if (args.budget is not None and args.budget <= 0) or (
+            args.repeats is not None and args.repeats < 1):
         parser.error("--budget must be positive and --repeats at least 1")
     opts = Options(quick=args.quick, repeats=args.repeats, disk_dir=args.disk_dir,
                    s3_endpoint=args.s3_endpoint, trace=args.trace)
@@ -112,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info()
         print(f"tierkv bench {' '.join(argv)}".rstrip(), file=out)
         print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), file=out)
-        parts = [run_part(name, opts, args.budget, out) for name in names]
+        parts = [run_part(name, opts, args.budget or PART_BUDGETS.get(name, DEFAULT_BUDGET_S),
+                          out) for name in names]
         print("\n== summary\n" + summary_table(parts), file=out, flush=True)
     doc = document(parts, argv, info["load_avg"])
     if to_stdout:

@@ -68,10 +68,14 @@ def timed(fn: Callable[[], Any], rounds: int) -> list[float]:
     return out
 
 
-def node_config(instance: str, run_dir: Path, blocks: int, page: int) -> Config:
+def node_config(instance: str, run_dir: Path, blocks: int, page: int,
+                policy: str | None = None) -> Config:
+    cpu: dict[str, Any] = {"num_blocks": max(blocks, REQUESTS_PER_STEP * 2), "page_size": page}
+    if policy is not None:
+        cpu["policy"] = policy
     return config_from_dict({
         "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
-        "cpu": {"num_blocks": max(blocks, REQUESTS_PER_STEP * 2), "page_size": page},
+        "cpu": cpu,
         "worker": {"device": "cpu"},
         "broker": {"job_timeout_s": 120.0, "heartbeat_s": 1.0},
         "client": {"timeout_s": 120.0},
@@ -86,14 +90,15 @@ def layout_for(page: int, blocks: int) -> KVLayout:
 
 
 @contextmanager
-def bench_node(blocks: int, page: int,
-               kv_blocks: int | None = None) -> Iterator[tuple[Client, KVCache]]:
-    """A node (broker + CPU worker) of at least `blocks` blocks of `page` bytes,
+def bench_node(blocks: int, page: int, kv_blocks: int | None = None,
+               policy: str | None = None) -> Iterator[tuple[Client, KVCache]]:
+    """A node (broker + CPU worker) of at least `blocks` blocks of `page` bytes
+    (under `policy`, default the config's),
     with a CPU KV cache of `kv_blocks` (default `blocks`) blocks registered for
     rank 0; stopped and removed on exit."""
     instance = f"bench{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory() as tmp:
-        config = node_config(instance, Path(tmp), blocks, page)
+        config = node_config(instance, Path(tmp), blocks, page, policy)
         node = Node(config)
         node.start()
         try:
