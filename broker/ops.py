@@ -93,25 +93,25 @@ class StepOps:
             each("commit", lambda i, r, g: manager.complete_store(g, bool(ok[i])))
         if "release" in sections:
             each("release", lambda i, r, g: manager.complete_load(g))
-        for req_id in msg.finish:
-            manager.finish(req_id)
-            self.contexts.pop(req_id, None)
         for context in msg.contexts:
             self._remember(context)
         if "lookup" in sections:
             self._lookup(sections["lookup"], msg.lookup_status, out)
         if "pin" in sections:
             self._pin(sections["pin"], out, each)
-        if "reserve" in sections:
-            self._reserve(client, sections["reserve"], out)
-        if "touch" in sections:
-            manager.touch(keys[sections["touch"].offsets[0]:sections["touch"].end])
-        if "store" in sections:
-            self._store(client, sections["store"], msg.store_gpu, out, each)
         if "load" in sections:
             self._load(client, sections["load"], msg.load_gpu, out, each)
+        if "reserve" in sections:
+            self._reserve(client, sections["reserve"], out)
+        if "store" in sections:
+            self._store(client, sections["store"], msg.store_gpu, out, each)
+        if "touch" in sections:
+            manager.touch(keys[sections["touch"].offsets[0]:sections["touch"].end])
         if "queue" in sections:
             manager.waiting([group for _, _, group in sections["queue"]])
+        for req_id in msg.finish:
+            manager.finish(req_id)
+            self.contexts.pop(req_id, None)
         return out
 
     # -- sections ------------------------------------------------------------------------

@@ -10,8 +10,9 @@ An engine sends all the operations of one step in one round trip: `c.batch()`
 collects them (`b.lookup(...)`, `b.pin(...)`, `b.reserve(...)`, `b.step()`, ...) and
 `b.send()` sends one `ops` message with every key in one blob (protocol v2, see
 `tierkv.wire.protocol`) and returns one result per call, in call order. The broker
-runs the sections in a fixed order (commit, release, finish, lookup, pin, reserve,
-touch, store, load, then step), whatever the order of the calls.
+runs the sections in a fixed order (commit, release, lookup, pin, load, reserve,
+store, touch, finish, then step), whatever the order of the calls: reads are
+protected before anything allocates, and a request finishes after its own loads.
 
 Every call waits at most `timeout` seconds and then raises `BrokerUnavailable`
 (the socket is rebuilt, so a broker that restarts is found again). A refusal by
@@ -44,6 +45,7 @@ from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
 from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
+    KEY_SECTIONS,
     LOOKUP_STATUSES,
     KeyGroups,
     Message,
@@ -357,8 +359,7 @@ class _Section:
         self.calls: list[int] = []  # the result slot of each group
 
 
-_SECTIONS = ("commit", "release", "lookup", "pin", "reserve", "touch", "store", "load",
-             "queue")
+_SECTIONS = KEY_SECTIONS
 
 
 class Batch:

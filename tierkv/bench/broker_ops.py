@@ -161,7 +161,7 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     payload = encode(client.batch().lookup(hot, "bench").request(1))
     results["zmq"] = ([], [])
     with echo_server() as address:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
 
@@ -206,7 +206,7 @@ def echo_server() -> Iterator[str]:
             assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
             yield address
         finally:
-            stopper = zmq.Context.instance().socket(zmq.DEALER)
+            stopper: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
             stopper.setsockopt(zmq.LINGER, 0)
             stopper.connect(address)
             stopper.send(b"stop")

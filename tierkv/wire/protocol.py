@@ -89,11 +89,14 @@ class Bye(Message):
 # -- client <-> broker -----------------------------------------------------------------
 #
 # One message (`ops`) carries every operation of one engine step, in sections that
-# run in a fixed order: commit, release, finish, contexts, lookup, pin, reserve,
-# touch, store, load, queue, then step (or poll) and wait. The keys of every section
-# travel in one blob (`tierkv.wire.keyblob`), section after section in that order;
-# each section's groups (one per request) take `counts[i]` keys from it. Results
-# come back as arrays, one item per group or per key of each section.
+# run in a fixed order: commit, release, contexts, lookup, pin, load, reserve, store,
+# touch, queue, finish, then step (or poll) and wait. Reads are protected before
+# anything allocates (pin and load before reserve and store, which may evict), and a
+# request's leases end only after its own loads of the same step (finish last). The
+# keys of every section travel in one blob (`tierkv.wire.keyblob`), section after
+# section in that order; each section's groups (one per request) take `counts[i]`
+# keys from it. Results come back as arrays, one item per group or per key of each
+# section.
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,7 @@ class RequestContext:
 
 
 # Sections with keys, in the order they run and take their keys from the blob.
-KEY_SECTIONS = ("commit", "release", "lookup", "pin", "reserve", "touch", "store", "load",
+KEY_SECTIONS = ("commit", "release", "lookup", "pin", "load", "reserve", "store", "touch",
                 "queue")
 # Arrays that go with a section: (field, bytes per item, one per key (else per group)).
 _PER_ITEM = {"commit": ("commit_ok", 1, False), "store": ("store_gpu", 4, True),

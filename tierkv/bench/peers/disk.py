@@ -4,7 +4,7 @@ recovery, integrity, and disk use against the bound.
 Every system writes into a fresh directory under `--disk-dir`, one after another,
 the order rotating from repeat to repeat. Cold reads are made cold the same way
 for all, by this process between a store and its load:
-`scripts.bench_disk.drop_caches` (sync, then `/proc/sys/vm/drop_caches`, or
+`tierkv.bench.disk_io.drop_caches` (sync, then `/proc/sys/vm/drop_caches`, or
 `posix_fadvise(DONTNEED)` on every file).
 """
 
@@ -41,7 +41,7 @@ class DiskSamples:
 
 
 def _cold(directory: Path) -> str:
-    from scripts.bench_disk import drop_caches
+    from tierkv.bench.disk_io import drop_caches
 
     return drop_caches([p for p in directory.rglob("*") if p.is_file()])
 
@@ -184,7 +184,7 @@ def _restart_comparisons(s: Session, systems: list[DiskSystem], restart: dict[st
 
 
 def _fs_type(path: Path) -> str:
-    from scripts.bench_disk import fs_type
+    from tierkv.bench.disk_io import fs_type
 
     return fs_type(path)
 

@@ -12,13 +12,13 @@ Sections, in order (each checks the part's budget before it starts):
    drives it (`drivers.common.manager_requests`: 5000 requests x 64 keys, 16k
    blocks).
 4. policies: hit ratios on the same traces (the Mooncake conversation trace and
-   `tierkv.workload`'s presets), the three drivers replaying at the same time
+   `tierkv.bench.workload`'s presets), the three drivers replaying at the same time
    (a hit ratio does not depend on speed).
 5. cpu: LMCache's CPU backend store/retrieve beside tierkv's CPU tier.
 6. bound: disk use after storing 3x the configured bound.
 
 Cold reads are made cold the same way for every system, by the parent between a
-store and its load: `scripts.bench_disk.drop_caches` (sync, then
+store and its load: `tierkv.bench.disk_io.drop_caches` (sync, then
 `/proc/sys/vm/drop_caches`, or `posix_fadvise(DONTNEED)` on every file).
 """
 

@@ -30,7 +30,7 @@ from tierkv.bench.peers.session import (
 
 
 def run_manager(s: Session) -> None:
-    from tierkv.config import CpuConfig
+    from tierkv.node.config import CpuConfig
 
     default = CpuConfig().policy
     quick = s.opts.quick
@@ -103,8 +103,8 @@ def run_manager(s: Session) -> None:
 def _trace_files(s: Session) -> list[tuple[str, Path, tuple[int, ...]]]:
     """(name, Mooncake-format file, capacities): the conversation trace when
     present, then the synthetic presets written out as traces."""
-    from scripts.bench_policies import DEFAULT_TRACE
-    from tierkv.workload import PRESETS, generate_workload
+    from tierkv.bench.policy_speed import DEFAULT_TRACE
+    from tierkv.bench.workload import PRESETS, generate_workload
 
     quick = s.opts.quick
     out: list[tuple[str, Path, tuple[int, ...]]] = []
@@ -126,8 +126,8 @@ def _trace_files(s: Session) -> list[tuple[str, Path, tuple[int, ...]]]:
 
 
 def run_policies(s: Session) -> None:
-    from tierkv.config import CpuConfig
-    from tierkv.policies import known_policies
+    from tierkv.core.policies import known_policies
+    from tierkv.node.config import CpuConfig
 
     default = CpuConfig().policy
     ours = sorted(known_policies(), key=lambda p: p != default)

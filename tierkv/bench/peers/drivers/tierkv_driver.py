@@ -8,16 +8,16 @@ a fresh process each. Everything goes through tierkv's public pieces as they
 are shipped, so a change to them is measured without touching this file:
 
 * Disk: `DiskBackend` behind a `JobRunner` of 8 I/O threads (the tier process's
-  data path, as `scripts/bench_disk.py` runs it) over rows of a real shared-memory
+  data path, as `tierkv/bench/disk_io.py` runs it) over rows of a real shared-memory
   region; durable as shipped (one flush per job), or `durable=False`.
 * Manager: `TieringManager` over `PrimaryTier` in process, and a real node
-  (broker + CPU worker, `scripts.bench_broker.bench_node`, as `tierkv bench
+  (broker + CPU worker, `tierkv.bench.broker_ops.bench_node`, as `tierkv bench
   control` starts one) through
   `Client.batch()`, one round trip for the lookups of an engine step and one for
   its loads, stores and finishes.
-* CPU tier: `scripts.bench_broker.data_path` through broker + CPU worker.
-* Policies: `tierkv.replay.replay`, the real `PrimaryTier` with a policy from the
-  registry (`tierkv.policies.known_policies()`).
+* CPU tier: `tierkv.bench.broker_ops.data_path` through broker + CPU worker.
+* Policies: `tierkv.bench.replay.replay`, the real `PrimaryTier` with a policy from the
+  registry (`tierkv.core.policies.known_policies()`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tierkv.bench.peers.drivers.common import (
     outcome,
     serve,
 )
-from tierkv.shm import SharedRegion
+from tierkv.core.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.runner import JobRunner
 from workers.disk import DiskBackend, slot_bytes_for
@@ -201,23 +201,23 @@ class Driver:
         return {"seconds": seconds, "hits": hits, "keys": sum(len(k) for k in requests)}
 
     def hit_ratio(self, trace: str, capacity: int, policy: str) -> dict[str, Any]:
-        from tierkv.replay import replay
-        from tierkv.traces import read_trace
+        from tierkv.bench.replay import replay
+        from tierkv.bench.traces import read_trace
 
         result = replay(read_trace(trace), capacity, policy)
         return {"hits": result.hit_blocks, "total": result.total_blocks,
                 "hit_ratio": result.hit_ratio}
 
     def cpu_tier(self, block_bytes: int, count: int, repeats: int, seed: int) -> dict[str, Any]:
-        from scripts.bench_broker import bench_node, data_path
+        from tierkv.bench.broker_ops import bench_node, data_path
 
         with bench_node(count, block_bytes) as (client, kv):
             runs = data_path(client, kv, count, block_bytes, repeats)
         return {"store_s": runs["store"], "load_s": runs["load"], "bad": 0}
 
     def policies(self) -> dict[str, Any]:
-        from tierkv.config import CpuConfig
-        from tierkv.policies import known_policies
+        from tierkv.core.policies import known_policies
+        from tierkv.node.config import CpuConfig
 
         return {"known": known_policies(), "default": CpuConfig().policy}
 
@@ -226,8 +226,8 @@ def _inprocess(requests: list[list[bytes]], capacity: int, policy: str) -> tuple
     """Engine steps of REQUESTS_PER_STEP requests on the in-process manager, in
     the order the vLLM replay uses: lookups and load preparation as each request
     is scheduled, then its stores, load completions and finish, then the step."""
-    from tierkv.primary import PrimaryTier
-    from tierkv.tiering import TieringManager
+    from tierkv.core.primary import PrimaryTier
+    from tierkv.core.tiering import TieringManager
 
     manager = TieringManager(PrimaryTier(capacity, policy, enable_events=False))
     hits = 0
@@ -259,7 +259,7 @@ def _through_broker(requests: list[list[bytes]], capacity: int,
     the in-process and vLLM replays). The step's jobs are waited for before the
     next step's lookups, as those replays complete their stores at once: the
     same requests then find the same hits, whatever the worker's speed."""
-    from scripts.bench_broker import bench_node
+    from tierkv.bench.broker_ops import bench_node
 
     with bench_node(capacity, BROKER_PAGE, KV_BLOCKS, policy) as (client, _kv):
         hits = 0
