@@ -106,10 +106,16 @@ def test_store_is_refused_when_room_cannot_be_made(make_cluster):
     ks = keys(1, 2, 3, 4)
     cluster.fill(ks, [0, 1, 2, 3])
     wait_for(c, {c.store(ks, [0, 1, 2, 3]).job_id})
-    load = c.load(ks, [4, 5, 6, 7])  # every block has a reader now
+    step_until(c, lambda: c.stats()["tiering"]["cascades_in_flight"] == 0)
+    # Every block has a reader until released (a load in flight could finish, and
+    # release its readers, before the store arrives: a pin cannot).
+    assert len(c.pin(ks, "reader")) == 4
     refused = c.store(keys(9), [8])
-    assert refused.job_id is None and refused.keys_accepted == []
-    wait_for(c, {load.job_id})
+    assert refused.refused and refused.job_id is None and refused.keys_accepted == []
+    c.release(ks)
+    accepted = c.store(keys(9), [8])
+    assert accepted.keys_accepted == keys(9) and not accepted.refused
+    wait_for(c, {accepted.job_id})
 
 
 def test_tier_killed_mid_batch_fails_its_jobs_and_leaves_lookups(make_cluster):
