@@ -103,6 +103,8 @@ class BrokerCore:
         self._workers: dict[int, Peer] = {}  # rank -> ready worker
         self.registrations = Registrations()
         self.step_ops = StepOps(self)
+        # Names the CPU region block ids refer to (see `OpsResult.region`).
+        self.region_id = manager.region.generation if manager.region is not None else ""
         self._waiting: list[_Wait] = []  # `ops` requests waiting for jobs to finish
         self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
         self._finished: dict[bytes, list[TransferResult]] = {}

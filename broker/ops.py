@@ -96,7 +96,7 @@ class StepOps:
         for context in msg.contexts:
             self._remember(context)
         if "lookup" in sections:
-            self._lookup(sections["lookup"], msg.lookup_status, out)
+            self._lookup(sections["lookup"], msg.lookup_status, msg.lookup_pin, out)
         if "pin" in sections:
             self._pin(sections["pin"], out, each)
         if "load" in sections:
@@ -122,17 +122,19 @@ class StepOps:
         while len(self.contexts) > MAX_CONTEXTS:
             del self.contexts[next(iter(self.contexts))]
 
-    def _lookup(self, groups: _Groups, per_key: bool, out: dict[str, Any]) -> None:
+    def _lookup(self, groups: _Groups, per_key: bool, pin: bool, out: dict[str, Any]) -> None:
         manager = self.core.manager
         hits: list[int] = []
         state: list[int] = []
         statuses: list[int] = []
         sources: list[int] = []
+        rows: list[int] = []
         contexts = self.contexts
         tier_index = {t.name: i + 1 for i, t in enumerate(manager.tiers)}
         for _, req_id, keys in groups:
             context = contexts.get(req_id) if contexts and req_id is not None else None
             allowed = context.tiers if context is not None else None
+            status: list[int] | None = None
             if per_key:
                 found, status = manager.lookup_keys(keys, req_id, allowed)
                 statuses.extend(status)
@@ -142,12 +144,34 @@ class StepOps:
                 found = manager.lookup(keys, req_id, allowed)
             hits.append(found.hits)
             state.append(2 if found.retry else 1 if found.pending else 0)
+            if pin:
+                rows.extend(self._pin_hits(keys, req_id, found.hits, status))
         out["hits"] = np.asarray(hits, np.int32).tobytes()
         out["state"] = bytes(state)
         if per_key:
             out["status"] = bytes(statuses)
             out["sources"] = bytes(sources)
             out["tiers"] = [t.name for t in manager.tiers]
+        if pin:
+            out["rows"] = np.asarray(rows, np.int32).tobytes()
+            out["region"] = self.core.region_id
+
+    def _pin_hits(self, keys: list[OffloadKey], req_id: str | None, hits: int,
+                  status: list[int] | None) -> list[int]:
+        """Pin a lookup's hits in the same pass that found them, so no eviction can
+        come between the answer and the engine's read: the leading `hits`, or every
+        key whose status is HIT. Their block ids, -1 for the other keys."""
+        rows = [-1] * len(keys)
+        where = (range(hits) if status is None
+                 else [i for i, st in enumerate(status) if st == HIT])
+        if where:
+            try:
+                ids = self.core.manager.prepare_load([keys[i] for i in where], req_id)
+            except (BlockStateError, ValueError):  # nothing pinned: the hits read as misses
+                return rows
+            for i, block_id in zip(where, ids, strict=True):
+                rows[i] = block_id
+        return rows
 
     def _pin(self, groups: _Groups, out: dict[str, Any], each: Any) -> None:
         pinned = np.full(groups.total, -1, np.int32)
@@ -160,6 +184,7 @@ class StepOps:
 
         each("pin", pin)
         out["pinned"] = pinned.tobytes()
+        out["region"] = self.core.region_id
 
     def _reserve(self, client: bytes, groups: _Groups, out: dict[str, Any]) -> None:
         manager = self.core.manager
@@ -182,6 +207,7 @@ class StepOps:
                     reserved[start + where[key]] = block_id
         blob, width, lens = pack_keys(evicted)
         out.update(reserved=reserved.tobytes(), reserve_ok=ok.tobytes(), evicted=blob,
+                   region=self.core.region_id,
                    evicted_lens=lens if lens else bytes([width]) * len(evicted))
 
     def _store(self, client: bytes, groups: _Groups, gpu: bytes, out: dict[str, Any],

@@ -77,10 +77,13 @@ class Lookup:
     retry: bool = False  # nothing could start now (no CPU room, existence unknown)
     statuses: list[str] | None = None  # per key, when asked: miss, hit, pending, retry
     sources: list[str | None] | None = None  # per key: the tier a hit was promoted from
+    rows: list[int] | None = None  # per key, when pinned: the hit's CPU block id, else -1
+    region: str = ""  # when pinned: the CPU region the rows name (`SharedRegion.generation`)
 
     def __repr__(self) -> str:
         extra = "".join(f", {name}={getattr(self, name)!r}"
-                        for name in ("retry", "statuses", "sources") if getattr(self, name))
+                        for name in ("retry", "statuses", "sources", "rows")
+                        if getattr(self, name))
         return f"Lookup(hits={self.hits}, pending={self.pending}{extra})"
 
 
@@ -107,6 +110,7 @@ class Reserve:
     block_ids: list[int]
     ok: bool
     evicted: list[bytes] = field(default_factory=list)
+    region: str = ""  # the CPU region the ids name (`SharedRegion.generation`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +163,12 @@ class Client:
     # -- one operation per round trip --------------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None,
-               status: bool = False) -> Lookup:
+               status: bool = False, pin: bool = False) -> Lookup:
         """Leading CPU hits (leased to `req_id` until it loads them, finishes, or
         `broker.lease_s` passes), and whether to ask again; `status`: also a status
-        and a source per key (sliding-window and hybrid layers)."""
-        return self.batch().lookup(keys, req_id, status).send_one()
+        and a source per key (sliding-window and hybrid layers); `pin`: the hits are
+        pinned in the same pass (their rows in `Lookup.rows`; `release` each)."""
+        return self.batch().lookup(keys, req_id, status, pin).send_one()
 
     def store(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int],
               req_id: str | None = None) -> Store:
@@ -371,6 +376,7 @@ class Batch:
         self._finish: list[str] = []
         self._contexts: list[RequestContext] = []
         self._status = False
+        self._pin: bool | None = None  # every lookup of a batch pins, or none does
         self._step = self._poll = False
         self._wait: list[int] = []
         self._wait_s = 0.0
@@ -387,7 +393,10 @@ class Batch:
         return self
 
     def lookup(self, keys: Sequence[OffloadKey], req_id: str | None = None,
-               status: bool = False) -> Batch:
+               status: bool = False, pin: bool = False) -> Batch:
+        if self._pin is not None and self._pin != pin:
+            raise ValueError("the lookups of one batch either all pin their hits or none does")
+        self._pin = pin
         self._status = self._status or status
         return self._add("lookup", keys, req_id, status)
 
@@ -465,6 +474,7 @@ class Batch:
         blob, width, lens = _packed(keys)
         return OpsRequest(request_id, blob, width, lens, finish=self._finish,
                           contexts=self._contexts, lookup_status=self._status,
+                          lookup_pin=bool(self._pin),
                           step=self._step, poll=self._poll, wait=self._wait,
                           wait_s=self._wait_s, **fields)
 
@@ -538,7 +548,7 @@ class _Answers:
         section = self.batch._sections["lookup"]
         hits = self._array("hits", "<i4")
         state = self._array("state", "u1")
-        if not any(section.extra):
+        if not any(section.extra) and not self.batch._pin:
             return [Lookup(h, s != 0, s == 2) for h, s in zip(hits, state, strict=True)]
         return [self._lookup(i, section) for i in range(len(hits))]
 
@@ -568,7 +578,8 @@ class _Answers:
             evicted = self._cache.setdefault("evicted", unpack_keys(
                 self.r.evicted, 0, self.r.evicted_lens, "evicted"))
             ok = bool(self._array("reserve_ok", "u1")[index])
-            return Reserve(self._array("reserved", "<i4")[a:b], ok, evicted if ok else [])
+            return Reserve(self._array("reserved", "<i4")[a:b], ok, evicted if ok else [],
+                           self.r.region)
         if name == "store":
             a, b = self._span(name, index)
             job = self._array("store_jobs", "<i8")[index]
@@ -586,13 +597,17 @@ class _Answers:
     def _lookup(self, index: int, section: _Section | None) -> Lookup:
         hits = self._array("hits", "<i4")[index]
         state = self._array("state", "u1")[index]
-        statuses = sources = None
+        statuses = sources = rows = None
         if section is not None and section.extra[index]:
             a, b = self._span("lookup", index)
             statuses = [LOOKUP_STATUSES[s] for s in self._array("status", "u1")[a:b]]
             tiers = self.r.tiers
             sources = [tiers[s - 1] if s else None for s in self._array("sources", "u1")[a:b]]
-        return Lookup(hits, state != 0, state == 2, statuses, sources)
+        if self.batch._pin:
+            a, b = self._span("lookup", index)
+            rows = self._array("rows", "<i4")[a:b]
+        return Lookup(hits, state != 0, state == 2, statuses, sources, rows,
+                      self.r.region if rows is not None else "")
 
 
 def _ms_left(deadline: float) -> int:

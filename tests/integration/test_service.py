@@ -178,3 +178,31 @@ def test_broker_gone_means_broker_unavailable_within_timeout(make_cluster):
         c.lookup(keys(1))
     assert time.monotonic() - t0 < 2.0
     c.close()
+
+
+def test_a_lookup_can_pin_its_hits_in_the_same_pass(make_cluster, instance):
+    """The engine-copy path (tierkv.vllm): the hits come back pinned with their rows and
+    the region they belong to; nothing can evict them until they are released."""
+    cluster = make_cluster(cpu={"num_blocks": 4})
+    c = cluster.client()
+    ks = keys(1, 2, 3)
+    reserved = c.reserve(ks, "w")
+    region = SharedRegion.attach(instance)
+    try:
+        assert reserved.ok and reserved.region == region.generation
+        for key, row in zip(ks, reserved.block_ids, strict=True):
+            region.page(row, 0)[:] = key_bytes(key, 0, region.layout.page_size)
+    finally:
+        region.close()
+    c.commit(ks)
+    step_until(c, lambda: c.stats()["tiering"]["cascades_in_flight"] == 0)
+    found = c.lookup([*ks, *keys(9)], "r", status=True, pin=True)
+    assert found.statuses == ["hit", "hit", "hit", "miss"]
+    assert found.rows[:3] == reserved.block_ids and found.rows[3] == -1
+    assert found.region == reserved.region
+    # Pinned: a store that needs two blocks of four cannot evict them.
+    assert not c.reserve(keys(20, 21), "w2").ok
+    c.release(ks)
+    assert c.reserve(keys(20, 21), "w2").ok
+    with pytest.raises(ValueError, match="all pin"):
+        c.batch().lookup(ks, "a", pin=True).lookup(ks, "b")

@@ -206,6 +206,16 @@ class SharedRegion:
             raise
         return cls(instance, layout, mm, owner=False)
 
+    @property
+    def generation(self) -> str:
+        """Which creation of the instance's region this is ("owner pid.start time"): a
+        broker restarted on the same instance makes a new region under the same name,
+        and block ids the old one handed out name nothing in the new."""
+        if self._mmap is None:
+            raise RegionError(f"{self.name} is closed")
+        header = _read_header(self._mmap, self.name)
+        return f"{header['owner_pid']}.{header['owner_start']}"
+
     # -- views (zero copy) ---------------------------------------------------------
 
     @property

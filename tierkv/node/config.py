@@ -92,6 +92,8 @@ class WorkerConfig:
     """The gpu workers, one per rank."""
 
     device: str = doc("auto", "auto | cpu | cuda: where the engine's KV cache lives")
+    enabled: bool = doc(True, "false: start no gpu workers; engines that copy their own "
+                        "blocks (tierkv.vllm) need none")
 
 
 @dataclass

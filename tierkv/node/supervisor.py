@@ -75,7 +75,7 @@ class Node:
         c = ["-c", str(self.config_path)] + ["-v"] * self.verbose
         py = self.python
         specs = [ChildSpec("broker", "broker", (py, "-m", "broker", *c))]
-        for rank in range(self.config.cpu.world_size):
+        for rank in range(self.config.cpu.world_size if self.config.worker.enabled else 0):
             specs.append(ChildSpec(f"worker{rank}", "worker",
                                    (py, "-m", "workers.gpu_worker", "--rank", str(rank), *c)))
         for entry in self.config.tiers:

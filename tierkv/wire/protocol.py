@@ -151,6 +151,7 @@ class OpsRequest(Message):
     contexts: list[RequestContext] = field(default_factory=list)
     lookup: KeyGroups | None = None
     lookup_status: bool = False  # also a status per key (hit, pending, miss, retry)
+    lookup_pin: bool = False  # also pin every hit for its request (its block id in `rows`)
     pin: KeyGroups | None = None  # protect ready blocks the engine reads (its ids back)
     reserve: KeyGroups | None = None  # allocate blocks the engine writes (ids back)
     touch: KeyGroups | None = None
@@ -223,6 +224,7 @@ class OpsResult:
     status: bytes = b""  # uint8 per lookup key, if asked: see LOOKUP_STATUSES
     sources: bytes = b""  # uint8 per lookup key, if asked: 0 CPU (or not a hit), 1 + tier
     tiers: list[str] = field(default_factory=list)  # the tiers `sources` counts from 1
+    rows: bytes = b""  # int32 per lookup key, if pinned: its CPU block id (-1: not a hit)
     pinned: bytes = b""  # int32 per pin key: its CPU block id (-1: not pinned)
     reserved: bytes = b""  # int32 per reserve key: the CPU block to write (-1: nothing to)
     reserve_ok: bytes = b""  # uint8 per reserve group: 0 no room now (nothing reserved)
@@ -237,6 +239,9 @@ class OpsResult:
     finished: list[TransferResult] = field(default_factory=list)
     events: list[OffloadEvent] = field(default_factory=list)
     step: int = 0
+    # The CPU region the block ids above name (`SharedRegion.generation`): a broker
+    # restarted on the same instance makes a new one, and ids of the old are void.
+    region: str = ""
 
 
 LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")

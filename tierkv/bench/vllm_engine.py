@@ -1,0 +1,329 @@
+"""A CPU-only vLLM engine for tests and benchmarks: vLLM's real `Scheduler` with its
+real `OffloadingConnector` in both roles, CPU KV tensors, and a stand-in model.
+
+What is real: vLLM's scheduler, KV-cache manager, prefix cache, the offloading
+connector's scheduler and worker sides, and the offloading back end under test
+(tierkv's, or vLLM's own manager). What stands in: the model's forward pass. It
+"computes" a block by writing bytes derived from the block's hash into every KV
+tensor of the block, and before it does, checks that every block the request
+already counts as computed holds the bytes of its own hash: a block that vLLM's
+prefix cache or an offloading load put there with the wrong bytes is caught
+(`Engine.mismatches`). Sampled tokens are a function of the request and position,
+so runs are repeatable.
+
+Needs vLLM 0.33 (`pip install 'tierkv[vllm]'`); a tiny local model config is
+written to a temporary directory (no weights, no network).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+    OffloadingConnector,
+)
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+EOS = 2
+TINY_MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "intermediate_size": 128, "vocab_size": 32000, "max_position_embeddings": 1 << 16,
+    "torch_dtype": "float32", "rms_norm_eps": 1e-5, "eos_token_id": EOS,
+}
+_none_hash_ready = False
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The stand-in model's KV geometry: `layers` tensors of ``(blocks, 2,
+    block_size, kv_heads, head_dim)`` float32 (vLLM's per-layer layout)."""
+
+    gpu_blocks: int = 64
+    block_size: int = 16
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 2048
+    max_model_len: int = 16384
+
+    @property
+    def layer_page_bytes(self) -> int:
+        return 2 * self.block_size * self.kv_heads * self.head_dim * 4
+
+    @property
+    def page_size(self) -> int:
+        """Bytes of one GPU block, every layer: a tierkv node's `cpu.page_size`."""
+        return self.layers * self.layer_page_bytes
+
+
+def model_dir() -> Path:
+    """A directory holding the tiny model's config.json (made once per process)."""
+    path = Path(tempfile.gettempdir()) / f"tierkv-vllm-tiny-{os.getuid()}"
+    path.mkdir(exist_ok=True)
+    config = path / "config.json"
+    text = json.dumps(TINY_MODEL)
+    if not config.exists() or config.read_text() != text:
+        tmp = path / f".config.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.replace(config)
+    return path
+
+
+def vllm_config(shape: EngineShape, extra_config: dict[str, Any]) -> VllmConfig:
+    model = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float32",
+                        seed=0, max_model_len=shape.max_model_len)
+    scheduler = SchedulerConfig(max_num_seqs=shape.max_num_seqs,
+                                max_num_batched_tokens=shape.max_batched_tokens,
+                                max_model_len=shape.max_model_len,
+                                enable_chunked_prefill=True, is_encoder_decoder=False)
+    cache = CacheConfig(block_size=shape.block_size, gpu_memory_utilization=0.9,
+                        cache_dtype="auto", enable_prefix_caching=True)
+    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config=dict(extra_config))
+    return VllmConfig(scheduler_config=scheduler, model_config=model, cache_config=cache,
+                      kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
+
+
+def kv_cache_config(shape: EngineShape) -> KVCacheConfig:
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
+    spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.kv_heads,
+                             head_size=shape.head_dim, dtype=torch.float32)
+    page = shape.layer_page_bytes
+    # One allocation, layer after layer (vLLM's layer-outermost placement).
+    tensor = KVCacheTensor(size=shape.gpu_blocks * shape.page_size, layers=layers,
+                           layer_stride=page * shape.gpu_blocks, block_stride=page)
+    return KVCacheConfig(num_blocks=shape.gpu_blocks, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def _jobs_done(meta: Any) -> tuple[set[str], OffloadingWorkerMetadata | None]:
+    """Every job of the step's metadata, reported done (`Engine.copy` False)."""
+    done = OffloadingWorkerMetadata()
+    recving = set()
+    for job_id, job in meta.load_jobs.items():
+        done.mark_completed(job_id)
+        if not job.sync:
+            recving.add(job.req_id)
+    for job_id in meta.store_jobs:
+        done.mark_completed(job_id)
+    return recving, (done if done.completed_jobs else None)
+
+
+def block_bytes(block_hash: bytes, size: int) -> np.ndarray:
+    """What a block of this hash holds in one layer: derived, so any copy is checkable."""
+    seed = hashlib.blake2b(block_hash, digest_size=32).digest()
+    return np.frombuffer(np.random.default_rng(
+        int.from_bytes(seed[:8], "little")).bytes(size), dtype=np.uint8)
+
+
+@dataclass
+class Engine:
+    """One vLLM engine: scheduler, worker-side connector, KV tensors, stand-in model."""
+
+    shape: EngineShape
+    extra_config: dict[str, Any]
+    # False: no worker side and no KV tensors; the step's jobs are reported done at
+    # once (the scheduler side alone, e.g. to time it; vLLM's own CPU back end has
+    # no worker on a machine without a GPU).
+    copy: bool = True
+    name: str = "engine"
+    scheduler: Scheduler = field(init=False)
+    worker: OffloadingConnector | None = field(init=False)
+    kv: dict[str, torch.Tensor] = field(init=False)
+    mismatches: list[str] = field(default_factory=list)
+    finished: dict[str, list[int]] = field(default_factory=dict)
+    steps: int = 0
+    schedule_seconds: list[float] = field(default_factory=list)
+    tokens: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        global _none_hash_ready
+        if not _none_hash_ready:
+            init_none_hash(sha256)
+            _none_hash_ready = True
+        self.config = vllm_config(self.shape, self.extra_config)
+        kv_config = kv_cache_config(self.shape)
+        self.config.cache_config.num_gpu_blocks = self.shape.gpu_blocks
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
+                                   structured_output_manager=StructuredOutputManager(
+                                       self.config),
+                                   block_size=self.shape.block_size, log_stats=True)
+        self.worker = None
+        self.kv = {}
+        if self.copy:
+            self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, kv_config)
+            s = self.shape
+            backing = torch.zeros(s.layers, s.gpu_blocks, 2, s.block_size, s.kv_heads,
+                                  s.head_dim)
+            self.kv = {name: backing[i] for i, name in
+                       enumerate(kv_config.kv_cache_groups[0].layer_names)}
+            self.worker.register_kv_caches(self.kv)
+        self._hasher = get_request_block_hasher(self.shape.block_size, sha256)
+        self._counter = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add(self, prompt: Sequence[int], max_tokens: int = 4, req_id: str | None = None) -> str:
+        self._counter += 1
+        req_id = req_id or f"{self.name}-{self._counter}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        self.scheduler.add_request(Request(req_id, list(prompt), params, None,
+                                           block_hasher=self._hasher))
+        return req_id
+
+    def run(self, timeout_s: float = 120.0) -> None:
+        """Step until every request finished (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_requests() or self.scheduler.has_finished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: requests still running after {timeout_s}s")
+            self.step()
+        for _ in range(3):  # let the last stores finish and their commits reach the node
+            self.step()
+
+    # -- one engine step -----------------------------------------------------------------
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.schedule_seconds.append(time.perf_counter() - start)
+        if self.worker is not None:
+            sending, recving, worker_meta = self._work(out)
+        else:
+            sending, (recving, worker_meta) = set(), _jobs_done(out.kv_connector_metadata)
+        req_ids = [r.req_id for r in out.scheduled_new_reqs] + list(
+            out.scheduled_cached_reqs.req_ids)
+        req_ids = [r for r in req_ids if out.num_scheduled_tokens.get(r)]
+        sampled = [[self._token(r)] if self._samples(r, out) else [] for r in req_ids]
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
+                                                  finished_recving=recving or None,
+                                                  kv_connector_worker_meta=worker_meta))
+        for outputs in self.scheduler.update_from_output(out, output).values():
+            self._count(outputs.scheduler_stats)
+        self.steps += 1
+
+    def _count(self, stats: Any) -> None:
+        """Add up vLLM's own prefix-cache counters (tokens): its GPU prefix cache, and
+        what the connector (the offloading back end) served."""
+        if stats is None:
+            return
+        for name, s in (("gpu", stats.prefix_cache_stats),
+                        ("external", stats.connector_prefix_cache_stats)):
+            if s is None:
+                continue
+            self.tokens[f"{name}_queries"] += s.queries
+            self.tokens[f"{name}_hits"] += s.hits
+
+    def _work(self, out: Any) -> tuple[set[str], set[str], Any]:
+        """The worker side of a step: transfers, the forward pass, what finished."""
+        worker = self.worker
+        assert worker is not None
+        meta = out.kv_connector_metadata
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        self._forward(out)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        return sending, recving, worker_meta
+
+    def _samples(self, req_id: str, out: Any) -> bool:
+        """A request samples a token once its prompt is computed by this step."""
+        req = self.scheduler.requests.get(req_id)
+        if req is None:
+            return False
+        return req.num_computed_tokens >= req.num_prompt_tokens
+
+    def _token(self, req_id: str) -> int:
+        req = self.scheduler.requests[req_id]
+        return 3 + zlib.crc32(f"{req_id}:{req.num_tokens}".encode()) % 30000
+
+    def _forward(self, out: Any) -> None:
+        """Check what each scheduled request counts as computed, then compute its new
+        full blocks (write their bytes)."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is None or n == 0:
+                continue
+            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            bs = self.shape.block_size
+            # The scheduler already counts this step's tokens as computed.
+            before = req.num_computed_tokens - n
+            first_new = before // bs
+            for i in range(min(first_new, len(req.block_hashes))):
+                self._check(req_id, i, block_ids[i], req.block_hashes[i])
+            end = min((before + n) // bs, len(req.block_hashes))
+            for i in range(first_new, end):
+                self._write(block_ids[i], req.block_hashes[i])
+
+    def _write(self, block_id: int, block_hash: bytes) -> None:
+        page = self.shape.layer_page_bytes
+        for layer, tensor in enumerate(self.kv.values()):
+            view = tensor[block_id].view(torch.uint8).view(-1).numpy()
+            view[:] = block_bytes(block_hash + bytes([layer]), page)
+
+    def _check(self, req_id: str, index: int, block_id: int, block_hash: bytes) -> None:
+        page = self.shape.layer_page_bytes
+        for layer, tensor in enumerate(self.kv.values()):
+            view = tensor[block_id].view(torch.uint8).view(-1).numpy()
+            if not np.array_equal(view, block_bytes(block_hash + bytes([layer]), page)):
+                self.mismatches.append(f"{req_id}: block {index} (GPU block {block_id}, "
+                                       f"layer {layer}) does not hold its bytes")
+                return
+
+    # -- results -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.shutdown()
