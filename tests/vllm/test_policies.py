@@ -197,10 +197,10 @@ def test_histarc_in_vllm_meets_the_goal_against_vllms_lru_on_mooncake_at_4000(
 ) -> None:
     """The issue's goal, on the whole trace: tierkv's best policy inside vLLM at
     least 1.7 times vLLM's LRU."""
-    from tierkv.bench.vllm_hits import GOAL_RATIO, vllm_hits
+    from tierkv.bench.vllm_hits import GOAL_BLOCKS, GOAL_RATIO, vllm_hits
 
-    ours, total = vllm_hits(mooncake, 4000, "TierkvHistARC", MODULE)
-    theirs, _ = vllm_hits(mooncake, 4000, "lru")
+    ours, total = vllm_hits(mooncake, GOAL_BLOCKS, "TierkvHistARC", MODULE)
+    theirs, _ = vllm_hits(mooncake, GOAL_BLOCKS, "lru")
     assert ours >= GOAL_RATIO * theirs, (ours / total, theirs / total)
 
 
@@ -368,6 +368,8 @@ def test_an_unknown_policy_name_says_which_exist(vp: ModuleType) -> None:
         make_manager(4, "histarc")
     with pytest.raises(ValueError, match="known policies: arc, histarc, lru"):
         vp.policy_class("nope")
+    with pytest.raises(TypeError, match="base class; name one of TierkvARC"):
+        make_manager(4, "TierkvPolicy")
 
 
 class _FIFO(LRUPolicy[Any, Any]):

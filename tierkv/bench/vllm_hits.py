@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING
 
 from tierkv.bench.replay import replay
 from tierkv.core.policies import known_policies
-from tierkv.workloads.traces import MOONCAKE_BLOCK_TOKENS, MOONCAKE_TRACE, Request, read_trace
+from tierkv.workloads.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    MOONCAKE_TRACE,
+    Request,
+    block_key,
+    read_trace,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -42,8 +48,10 @@ REPLAY = "tierkv-replay"
 VLLM_POLICIES = ("lru", "arc")
 #: The module vLLM is told to load tierkv's policy classes from.
 POLICY_MODULE = "tierkv.vllm.policies"
-#: The issue's goal: tierkv's best policy inside vLLM against vLLM's LRU.
+#: The issue's goal: tierkv's best policy inside vLLM against vLLM's LRU, on the
+#: Mooncake conversation trace with a CPU cache of GOAL_BLOCKS blocks.
 GOAL_RATIO = 1.7
+GOAL_BLOCKS = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +97,12 @@ def vllm_hits(
 def serve_request(manager: CPUOffloadingManager, request: Request, req_id: str) -> int:
     """One request through `manager` in the scheduler's call order; returns its hits.
 
-    Loads and stores complete before the next request arrives. Completions get the
+    The load completes before the store is offered, as with vLLM's default
+    asynchronous loads (a request computes, and so stores, only once its load is
+    done); the store completes before the next request arrives. Completions get the
     job's keys as a set, as vLLM's scheduler passes them (its jobs hold key sets).
     """
-    from vllm.v1.kv_offload.base import ReqContext  # noqa: F811 (the runtime import)
+    from vllm.v1.kv_offload.base import ReqContext
 
     keys = request_keys(request)
     ctx = ReqContext(req_id=req_id)
@@ -116,8 +126,6 @@ def serve_request(manager: CPUOffloadingManager, request: Request, req_id: str) 
 def request_keys(request: Request) -> list[OffloadKey]:
     """vLLM's offload keys of a trace request: block hash + KV group 0."""
     from vllm.v1.kv_offload.base import make_offload_key
-
-    from tierkv.workloads.traces import block_key
 
     return [make_offload_key(block_key(h), 0) for h in request.hash_ids]
 
@@ -181,9 +189,11 @@ def format_rows(rows: Sequence[HitRow]) -> str:
     best = best_in_vllm(rows)
     if base and best and base.hit_ratio:
         ratio = best.hit_ratio / base.hit_ratio
-        verdict = "meets" if ratio >= GOAL_RATIO else "misses"
-        lines.append(f"best tierkv policy in vLLM: {best.policy}, {ratio:.2f}x vLLM's LRU "
-                     f"({verdict} the {GOAL_RATIO}x goal)")
+        line = f"best tierkv policy in vLLM: {best.policy}, {ratio:.2f}x vLLM's LRU"
+        if best.capacity == GOAL_BLOCKS:
+            verdict = "meets" if ratio >= GOAL_RATIO else "misses"
+            line += f" ({verdict} the goal of {GOAL_RATIO}x at {GOAL_BLOCKS:,} blocks)"
+        lines.append(line)
     return "\n".join(lines)
 
 

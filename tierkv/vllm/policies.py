@@ -102,6 +102,9 @@ class TierkvPolicy(VllmCachePolicy):
     policy_name: ClassVar[str]
 
     def __init__(self, cache_capacity: int) -> None:
+        if not hasattr(self, "policy_name"):  # eviction_policy named the base class
+            raise TypeError(f"{type(self).__name__} is the adapter's base class; "
+                            f"name one of {', '.join(policy_class_names())}")
         super().__init__(cache_capacity)
         # Every chunk vLLM inserted and did not get back, ready or not: `get` must
         # answer for chunks still being written too (vLLM's HIT_PENDING).
