@@ -1,0 +1,272 @@
+"""tierkv's eviction policies as vLLM 0.33 cache policies, with no tierkv process.
+
+vLLM's CPU offloading (`CPUOffloadingSpec` and the tiering spec's CPU tier) build a
+`CPUOffloadingManager`, which asks `CachePolicyFactory` for its policy class: a
+built-in name ("lru", "arc"), or any class of a module given as
+`cache_policy_module_path`, found with `getattr(module, eviction_policy)`. So::
+
+    kv_connector_extra_config = {
+        "eviction_policy": "TierkvHistARC",
+        "cache_policy_module_path": "tierkv.vllm.policies",
+    }
+
+runs tierkv's histarc inside vLLM. `TierkvLRU`, `TierkvARC` and `TierkvHistARC` are
+written out; any other policy in tierkv's registry (`tierkv.core.policies`) is
+reachable as `Tierkv<Name>` (case and `_`/`-` ignored), made on first use by the
+module's `__getattr__`, so a policy registered later plugs in with no code here.
+
+Why an adapter and not a port: the hit ratios that chose tierkv's policies were
+measured by `tierkv replay`, where a policy sees exactly three events. A completed
+load of a hit is a use (`touch`, in prefix order, last key most recent); a stored
+block is inserted, in prefix order, after the eviction that made room for it; a
+store evicts through `evict(n, protected)`, all or nothing. `TierkvPolicy` turns
+vLLM's calls into those same events and nothing else, so the policy makes the same
+decisions inside vLLM as in the replay (`tests/vllm/test_policies.py` checks the
+hit ratios agree on real traces):
+
+* a use is a first access of a request to a resident, ready chunk that has readers,
+  i.e. one being loaded: vLLM's manager pins the chunks of `prepare_load` before it
+  reports them to `on_request_access`. A ready chunk offered again to a store has no
+  reader and is not a use, as in the replay, where a store skips present keys;
+* `insert` happens in `prepare_store`, in offer order. Inserting at store
+  completion instead would follow the job's key *set*, an arbitrary order; until it
+  completes the chunk is protected from eviction and ignored by `touch`;
+* `on_store_miss` and `on_request_finished` change nothing: tierkv's ARCs learn
+  from ghost hits in `insert`, and the request's uses were taken when they happened
+  (taking them again at the end would count a reuse twice);
+* readers and unfinished stores are read from each chunk's `ref_cnt` at eviction
+  time, so `mark_evictable`/`mark_non_evictable` need no bookkeeping.
+
+All methods run on the scheduler thread that drives the manager, under its lock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+try:
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VllmCachePolicy
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus, order_request_keys
+except ImportError as e:  # vLLM absent, or not the 0.33 API these classes implement
+    raise ImportError(
+        f"tierkv.vllm.policies needs vLLM 0.33 ({e}); install it with: "
+        "pip install 'tierkv[vllm]'"
+    ) from e
+
+from tierkv.core.policies import CachePolicy, known_policies, make_policy
+
+#: The prefix of every policy class name this module offers.
+CLASS_PREFIX = "Tierkv"
+
+__all__ = [
+    "CLASS_PREFIX",
+    "TierkvARC",
+    "TierkvHistARC",
+    "TierkvLRU",
+    "TierkvPolicy",
+    "class_name",
+    "policy_class",
+    "policy_class_names",
+]
+
+
+class _Unevictable:
+    """`protected` as tierkv's evict sees it: vLLM's protected keys, and chunks that
+    are being read (ref_cnt > 0) or still being written (ref_cnt -1)."""
+
+    __slots__ = ("chunks", "protected")
+
+    def __init__(self, protected: set[OffloadKey], chunks: dict[OffloadKey, ChunkStatus]):
+        self.protected = protected
+        self.chunks = chunks
+
+    def __contains__(self, key: object) -> bool:
+        if key in self.protected:
+            return True
+        chunk = self.chunks.get(key)  # type: ignore[call-overload]
+        return chunk is not None and chunk.ref_cnt != 0
+
+
+class TierkvPolicy(VllmCachePolicy):
+    """A vLLM `CachePolicy` that delegates every decision to a tierkv policy.
+
+    Subclasses name the tierkv policy in `policy_name`; vLLM builds them with
+    `cls(cache_capacity=num_chunks)`. The tierkv policy holds every chunk from its
+    `insert` to its eviction or removal, with the `ChunkStatus` as its value, so an
+    eviction hands vLLM back the very chunk objects it inserted.
+    """
+
+    policy_name: ClassVar[str]
+
+    def __init__(self, cache_capacity: int) -> None:
+        if not hasattr(self, "policy_name"):  # eviction_policy named the base class
+            raise TypeError(f"{type(self).__name__} is the adapter's base class; "
+                            f"name one of {', '.join(policy_class_names())}")
+        super().__init__(cache_capacity)
+        # Every chunk vLLM inserted and did not get back, ready or not: `get` must
+        # answer for chunks still being written too (vLLM's HIT_PENDING).
+        self._chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._policy: CachePolicy = make_policy(self.policy_name, cache_capacity)
+
+    @property
+    def tierkv_policy(self) -> CachePolicy:
+        """The tierkv policy making the decisions (for stats and tests)."""
+        return self._policy
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self._chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        # tierkv's ARCs admit a returning ghost straight into T2 here, which is
+        # where vLLM's ARC would use on_store_miss.
+        self._policy.insert(key, chunk)
+        self._chunks[key] = chunk
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget a chunk whose store failed; unknown keys are ignored, as in tierkv."""
+        if self._chunks.pop(key, None) is not None:
+            self._policy.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """An explicit use, in the order given (prefix order from vLLM's managers):
+        the tierkv policy reads it as the replay's load of those keys."""
+        self._touch_ready(keys)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Not a use: the base class would touch; tierkv learns from the insert."""
+        return
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """A request's first access to `keys`: those being loaded are its uses.
+
+        vLLM's manager reports loaded chunks after pinning them, so a resident
+        ready chunk with readers is one this request loads (or, rarely, one it
+        offers for a store while another request loads it: in use either way).
+        Keys are put in prefix order when the request knows their positions.
+        """
+        ordered = order_request_keys([list(keys)], req_context)
+        chunks = self._chunks
+        loaded = [k for k in ordered if (c := chunks.get(k)) is not None and c.ref_cnt > 0]
+        if loaded:
+            self._policy.touch(loaded)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        """Nothing left to apply: uses were taken at load, inserts at store."""
+        return
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        """Exactly `n` idle chunks not in `protected`, or None and no change."""
+        if n <= 0:
+            return []
+        victims: list[tuple[OffloadKey, ChunkStatus]] | None = self._policy.evict(
+            n, _Unevictable(protected, self._chunks)
+        )
+        if victims is None:
+            return None
+        for key, _ in victims:
+            del self._chunks[key]
+        return victims
+
+    def clear(self) -> None:
+        """Drop every chunk and start a fresh tierkv policy: ghosts and the
+        adaptive target go too, as vLLM's contract asks."""
+        self._chunks.clear()
+        self._policy = make_policy(self.policy_name, self.cache_capacity)
+
+    def _touch_ready(self, keys: Iterable[OffloadKey]) -> None:
+        # A chunk still being written is not in tierkv's policy yet (the replay
+        # inserts at store completion), so a use of it is ignored as there.
+        chunks = self._chunks
+        ready = [k for k in keys if (c := chunks.get(k)) is not None and c.is_ready]
+        if ready:
+            self._policy.touch(ready)
+
+
+class TierkvLRU(TierkvPolicy):
+    """tierkv's LRU (`tierkv.core.policies.lru`)."""
+
+    policy_name = "lru"
+
+
+class TierkvARC(TierkvPolicy):
+    """tierkv's ARC (`tierkv.core.policies.arc`)."""
+
+    policy_name = "arc"
+
+
+class TierkvHistARC(TierkvPolicy):
+    """tierkv's histarc (`tierkv.core.policies.histarc`): ARC with a long ghost
+    history; the best of tierkv's policies on multi-turn conversation traces."""
+
+    policy_name = "histarc"
+
+
+_CLASSES: dict[str, type[TierkvPolicy]] = {
+    cls.policy_name: cls for cls in (TierkvLRU, TierkvARC, TierkvHistARC)
+}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def class_name(policy: str) -> str:
+    """The class name of a registered tierkv policy: `histarc` -> `TierkvHistARC`."""
+    cls = _CLASSES.get(policy)
+    if cls is not None:
+        return cls.__name__
+    return CLASS_PREFIX + "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", policy))
+
+
+def policy_class_names() -> list[str]:
+    """The class names of every policy in tierkv's registry, for `eviction_policy`."""
+    return sorted(class_name(name) for name in known_policies())
+
+
+def policy_class(policy: str) -> type[TierkvPolicy]:
+    """The vLLM policy class of a tierkv registry name (`"histarc"`), made once.
+
+    Raises ValueError naming the known policies for a name not in the registry."""
+    if policy not in known_policies():
+        raise ValueError(
+            f"unknown tierkv cache policy {policy!r}; known policies: "
+            f"{', '.join(known_policies())}"
+        )
+    cls = _CLASSES.get(policy)
+    if cls is None:
+        cls = _CLASSES[policy] = type(class_name(policy), (TierkvPolicy,), {
+            "policy_name": policy,
+            "__doc__": f"tierkv's {policy!r} policy, from tierkv's policy registry.",
+            "__module__": __name__,
+        })
+    return cls
+
+
+def __getattr__(attr: str) -> type[TierkvPolicy]:
+    """`Tierkv<Name>` for any policy in tierkv's registry: vLLM's factory looks the
+    class up with getattr, so a policy registered after this module was written
+    needs no class here."""
+    if attr.startswith("__"):  # import machinery and introspection probe dunders
+        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    if attr.startswith(CLASS_PREFIX):
+        wanted = _normal(attr[len(CLASS_PREFIX):])
+        for policy in known_policies():
+            if _normal(policy) == wanted:
+                return policy_class(policy)
+    # vLLM passes this error on as it is, so it says what eviction_policy may be.
+    raise AttributeError(
+        f"module {__name__!r} has no cache policy {attr!r}; with "
+        f"cache_policy_module_path={__name__!r}, eviction_policy is one of "
+        f"{', '.join(policy_class_names())}"
+    )
