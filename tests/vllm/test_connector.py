@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vllm.conftest import SHAPE, extra_config
+from tests.vllm.conftest import SHAPE
 from tierkv.bench.vllm_engine import Engine
+from tierkv.bench.vllm_engine import tierkv_extra_config as extra_config
 from tierkv.client import Client
 from tierkv.core.shm import RegionError, SharedRegion
 from tierkv.vllm.layout import NodeMismatch

@@ -22,15 +22,20 @@ import json
 import os
 import tempfile
 import time
+import uuid
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from tierkv.node.config import Config, config_from_dict
+from tierkv.node.supervisor import Node
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -96,6 +101,49 @@ class EngineShape:
     def page_size(self) -> int:
         """Bytes of one GPU block, every layer: a tierkv node's `cpu.page_size`."""
         return self.layers * self.layer_page_bytes
+
+
+def node_config(instance: str, run_dir: Path, page_size: int, cpu_blocks: int,
+                disk_blocks: int = 0, **sections: Any) -> Config:
+    """A tierkv node for vLLM engines of `page_size` bytes per GPU block: no gpu
+    workers (vLLM copies its own blocks), and a disk tier of `disk_blocks` under
+    `run_dir` if that is not 0."""
+    tiers = []
+    if disk_blocks:
+        (run_dir / "disk").mkdir(exist_ok=True)
+        tiers.append({"type": "disk", "root": str(run_dir / "disk"),
+                      "budget_bytes": disk_blocks * page_size})
+    data: dict[str, Any] = {
+        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
+        "cpu": {"num_blocks": cpu_blocks, "page_size": page_size, "world_size": 1},
+        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0},
+        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
+        "worker": {"enabled": False},
+        "tiers": tiers,
+    }
+    for name, value in sections.items():
+        data[name] = {**data[name], **value} if isinstance(data.get(name), dict) else value
+    return config_from_dict(data, "<vllm engine node>")
+
+
+@contextmanager
+def engine_node(page_size: int, cpu_blocks: int, disk_blocks: int = 0,
+                **sections: Any) -> Iterator[Node]:
+    """A node started in a temporary directory, stopped (by pid) and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="tierkv-vllm-") as tmp:
+        node = Node(node_config(f"vllm{uuid.uuid4().hex[:8]}", Path(tmp), page_size,
+                                cpu_blocks, disk_blocks, **sections))
+        node.start()
+        try:
+            yield node
+        finally:
+            node.stop()
+
+
+def tierkv_extra_config(node: Node, **more: Any) -> dict[str, Any]:
+    """`kv_connector_extra_config` for a vLLM engine on `node`."""
+    return {"spec_name": "TierkvOffloadingSpec", "spec_module_path": "tierkv.vllm",
+            "tierkv_config": str(node.config_path), **more}
 
 
 def model_dir() -> Path:
@@ -175,7 +223,8 @@ class Engine:
     mismatches: list[str] = field(default_factory=list)
     finished: dict[str, list[int]] = field(default_factory=dict)
     steps: int = 0
-    schedule_seconds: list[float] = field(default_factory=list)
+    # The scheduler's part of each step: schedule() + update_from_output().
+    step_seconds: list[float] = field(default_factory=list)
     tokens: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -229,7 +278,7 @@ class Engine:
     def step(self) -> None:
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        self.schedule_seconds.append(time.perf_counter() - start)
+        scheduled = time.perf_counter() - start
         if self.worker is not None:
             sending, recving, worker_meta = self._work(out)
         else:
@@ -244,7 +293,10 @@ class Engine:
             kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
                                                   finished_recving=recving or None,
                                                   kv_connector_worker_meta=worker_meta))
-        for outputs in self.scheduler.update_from_output(out, output).values():
+        start = time.perf_counter()
+        updates = self.scheduler.update_from_output(out, output)
+        self.step_seconds.append(scheduled + time.perf_counter() - start)
+        for outputs in updates.values():
             self._count(outputs.scheduler_stats)
         self.steps += 1
 

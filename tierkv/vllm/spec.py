@@ -12,6 +12,9 @@ Extra config read here (`kv_connector_extra_config`):
   from the model, KV dtype, block geometry and parallel layout).
 * ``timeout_s`` (2.0): how long a scheduler step waits for the broker before it
   goes on without tierkv for ``retry_s`` (5.0).
+* ``sync_lookups`` (2): requests a step looks up in a round trip of their own; the
+  step's later requests are looked up with its end-of-step round trip and
+  scheduled one step later (see `tierkv.vllm.manager`).
 * ``block_size``: vLLM's own (tokens per offloaded chunk).
 """
 
@@ -80,10 +83,11 @@ class TierkvOffloadingSpec(OffloadingSpec):
             raise ValueError("kv_connector_extra_config needs 'tierkv_config' (the tierkv "
                              "node's config file) or 'tierkv_instance' and 'tierkv_address'")
         self.timeout_s = float(extra.get("timeout_s", 2.0))
+        self.sync_lookups = int(extra.get("sync_lookups", 2))
         self.retry_s = float(extra.get("retry_s", 5.0))
-        if self.timeout_s <= 0 or self.retry_s < 0:
-            raise ValueError(f"timeout_s must be > 0 and retry_s >= 0, got "
-                             f"{self.timeout_s} and {self.retry_s}")
+        if self.timeout_s <= 0 or self.retry_s < 0 or self.sync_lookups < 0:
+            raise ValueError(f"timeout_s must be > 0, retry_s and sync_lookups >= 0, got "
+                             f"{self.timeout_s}, {self.retry_s}, {self.sync_lookups}")
         self.world_size = config.parallel.world_size
         self.keymap = KeyMap(self._namespace(), self.blocks_per_chunk)
         self._manager: TierkvOffloadingManager | None = None
@@ -105,7 +109,7 @@ class TierkvOffloadingSpec(OffloadingSpec):
             client = Client(self.address, timeout=self.timeout_s, curve=self.curve)
             self._manager = TierkvOffloadingManager(
                 client, self.keymap, [g.group_id for g in self.config.groups], self.tiers,
-                retry_s=self.retry_s,
+                retry_s=self.retry_s, sync_lookups=self.sync_lookups,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
