@@ -11,6 +11,7 @@ Socket-free: `BrokerCore` hands it decoded requests and sends what it returns.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
+from tierkv.core.policies.hints import RequestHints, hints_from_kv_hints
 from tierkv.core.primary import BlockStateError
 from tierkv.core.tiering import HIT
 from tierkv.wire.keyblob import pack_keys, unpack_counts, unpack_keys
@@ -134,14 +136,15 @@ class StepOps:
         for _, req_id, keys in groups:
             context = contexts.get(req_id) if contexts and req_id is not None else None
             allowed = context.tiers if context is not None else None
+            hints = request_hints(context) if context is not None else None
             status: list[int] | None = None
             if per_key:
-                found, status = manager.lookup_keys(keys, req_id, allowed)
+                found, status = manager.lookup_keys(keys, req_id, allowed, hints)
                 statuses.extend(status)
                 sources.extend(tier_index.get(manager.source_of(k) or "", 0) if st == HIT
                                else 0 for k, st in zip(keys, status, strict=True))
             else:
-                found = manager.lookup(keys, req_id, allowed)
+                found = manager.lookup(keys, req_id, allowed, hints)
             hits.append(found.hits)
             state.append(2 if found.retry else 1 if found.pending else 0)
             if pin:
@@ -245,3 +248,18 @@ class StepOps:
         each("load", load)
         out.update(load_jobs=jobs.tobytes(), load_sources=sources)
 
+
+def request_hints(context: RequestContext) -> RequestHints | None:
+    """What a request's context says, as the policy reads it: the engine's own fields,
+    over what the orchestrator's hints (vLLM's `kv_hints`) say."""
+    base = hints_from_kv_hints(context.hints) if context.hints else None
+    fields: dict[str, Any] = {
+        "session": context.session or None,
+        "turn": context.turn if context.turn >= 0 else None,
+        "continues": context.continues,
+        "expected_next_s": context.next_turn_s,
+    }
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return base
+    return replace(base, **given) if base is not None else RequestHints(**given)

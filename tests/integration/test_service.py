@@ -195,7 +195,9 @@ def test_a_lookup_can_pin_its_hits_in_the_same_pass(make_cluster, instance):
     finally:
         region.close()
     c.commit(ks)
-    step_until(c, lambda: c.stats()["tiering"]["cascades_in_flight"] == 0)
+    # Until the cascade to the memory tier is applied, its readers hold the blocks.
+    step_until(c, lambda: c.stats()["tiers"]["memory"]["blocks"] == 3
+               and c.stats()["tiering"]["cascades_in_flight"] == 0)
     found = c.lookup([*ks, *keys(9)], "r", status=True, pin=True)
     assert found.statuses == ["hit", "hit", "hit", "miss"]
     assert found.rows[:3] == reserved.block_ids and found.rows[3] == -1

@@ -7,12 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.belady import NEVER, belady, brute_force_hits, next_uses
-from tierkv.core.policies import make_policy
+from tierkv.bench.belady import (
+    NEVER,
+    belady,
+    brute_force_hits,
+    next_uses,
+    prefix_consistent,
+    reachable_repeats,
+    reference,
+)
+from tierkv.core.policies import known_policies, make_policy
 from tierkv.core.primary import PrimaryTier
-from tierkv.workloads.traces import Request, prefix_hit_ratio, read_trace
+from tierkv.workloads.traces import Request, default_trace_path, prefix_hit_ratio, read_trace
 
-TRACE = Path(__file__).resolve().parents[3] / "shared/data/mooncake-fast25/conversation_trace.jsonl"
+TRACE = default_trace_path() or Path("/nonexistent")
 
 
 def random_trace(rng: random.Random, n_requests: int = 5, n_keys: int = 5) -> list[list[int]]:
@@ -115,6 +123,76 @@ def test_trace_reproduces_the_documented_figures():
     for capacity, (optimum, demand) in documented.items():
         assert belady(trace, capacity, bypass=True).hit_ratio == pytest.approx(optimum, abs=1e-4)
         assert belady(trace, capacity, bypass=False).hit_ratio == pytest.approx(demand, abs=1e-4)
+
+
+def test_blocks_are_counted_by_position_as_the_replay_counts_them():
+    # A request that names an id twice counts two blocks, hit or missed, in both.
+    trace = [[1, 2, 1], [1, 2, 1, 3], [3, 3]]
+    requests = [_request(row) for row in trace]
+    tier = PrimaryTier(4, "lru")
+    prefix_hit_ratio(requests, tier)
+    stats = tier.stats()
+    result = belady(trace, 4)
+    assert result.total_blocks == stats["hits"] + stats["misses"] == 9
+    # Belady keeps 1, 2, 3: the second request hits 1 2 1 and 3 is new; the third
+    # hits 3 3.
+    assert result.hit_blocks == 5
+
+
+def test_prefix_consistency():
+    assert prefix_consistent([[1, 2, 3], [1, 2, 4], [5]])
+    assert not prefix_consistent([[1, 2], [3, 2]])  # 2 after two parents
+    assert not prefix_consistent([[1, 2, 1]])  # a repeated id
+    assert not prefix_consistent([[1], [2, 1]])  # 1 starts one request, follows another
+
+
+def test_reachable_repeats():
+    # The second 1 of [1, 2, 1] cannot hit (1 was never stored); later repeats can.
+    assert reachable_repeats([[1, 2, 1], [3, 1, 1], [4, 4]]) == 1
+
+
+def test_reference_is_exact_on_prefix_traces():
+    rng = random.Random(5)
+    trace = prefix_trace(rng, n_requests=60, depth=5)
+    ref = reference(trace, 4)
+    assert ref.exact and ref.bound == ref.greedy == belady(trace, 4)
+
+
+def test_reference_bounds_every_schedule_on_traces_without_prefix_structure():
+    """Random ids (several parents, repeats): the reference is a true upper bound on
+    prefix hits, checked against the exhaustive optimum, while the greedy's own
+    prefix hits can fall short of it."""
+    rng = random.Random(11)
+    for _ in range(150):
+        trace = [[rng.randrange(5) for _ in range(rng.randint(1, 4))] for _ in range(5)]
+        capacity = rng.randint(1, 4)
+        ref = reference(trace, capacity)
+        best = brute_force_hits(trace, capacity, bypass=True, prefix=True)
+        assert ref.bound.hit_blocks >= best, (trace, capacity)
+        assert ref.greedy.hit_blocks <= best
+
+
+@pytest.mark.parametrize("name", ["lru", "histarc", "hitdensity"])
+def test_policies_stay_below_the_bound_on_content_addressed_traces(name):
+    from tierkv.workloads.synthetic import generate_workload
+
+    trace = generate_workload("rag-content", 600, seed=3)
+    ids = [r.hash_ids for r in trace]
+    for capacity in (50, 200):
+        ref = reference(ids, capacity)
+        assert not ref.exact
+        ratio = prefix_hit_ratio(trace, PrimaryTier(capacity, make_policy(name, capacity)))
+        assert ratio <= ref.bound.hit_ratio + 1e-12
+
+
+def test_every_registered_policy_stays_below_belady_on_prefix_traces():
+    rng = random.Random(8)
+    trace = prefix_trace(rng, n_requests=300, depth=6)
+    requests = [_request(row) for row in trace]
+    for name in known_policies():
+        for capacity in (3, 8):
+            ratio = prefix_hit_ratio(requests, PrimaryTier(capacity, make_policy(name, capacity)))
+            assert ratio <= belady(trace, capacity).hit_ratio + 1e-12, (name, capacity)
 
 
 def _request(row: list[int]) -> Request:

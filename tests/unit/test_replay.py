@@ -7,15 +7,19 @@ import json
 import pytest
 
 from tierkv.bench.replay import (
+    HintMode,
     ReplayResult,
+    derive_hints,
     geometric_mean,
     main,
     parse_policy,
     policy_table,
     replay,
+    uses_hints,
 )
+from tierkv.core.policies import RequestHints
 from tierkv.workloads.synthetic import generate_workload
-from tierkv.workloads.traces import Request, prefix_hit_ratio
+from tierkv.workloads.traces import Request, prefix_hit_ratio, sessions
 
 # Capacity 3, hand-replayed (LRU order after each request):
 #   [1, 2]     0 hits, store 1 2                          order 1 2
@@ -84,7 +88,8 @@ def test_main_prints_the_table(tmp_path, capsys):
     path.write_text("".join(
         json.dumps({"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": list(r)})
         + "\n" for i, r in enumerate(HAND)))
-    assert main([str(path), "--capacities", "3", "4", "--policies", "lru", "histarc"]) == 0
+    assert main([str(path), "--capacities", "3", "4", "--policies", "lru", "histarc",
+                 "--hints", "none"]) == 0
     out = capsys.readouterr().out
     assert "5 requests" in out and "histarc" in out and "belady-demand" in out
 
@@ -104,12 +109,79 @@ def test_histarc_beats_lru_on_a_scan_heavy_synthetic_workload():
     assert ours.hit_ratio > 1.5 * lru.hit_ratio
 
 
-def test_oracle_admission_bound_on_the_hand_trace():
-    """scripts/policy_bound.py: storing only blocks used again, LRU keeps 1 2 3 and
-    never stores 4, which is what Belady with bypass does here: 7 hits of 11."""
-    from scripts.policy_bound import oracle_admission
+def test_hint_modes_parse_and_label():
+    assert HintMode.parse("none") == HintMode()
+    assert HintMode.parse("cont") == HintMode(True, 0.1)
+    mode = HintMode.parse("cont:0.25+queue:32", seed=3)
+    assert mode == HintMode(True, 0.25, 32, 3) and mode.label == "cont 75% + queue 32"
+    for bad in ("queue", "cont:x", "bogus:1", "cont:2"):
+        with pytest.raises(ValueError):
+            HintMode.parse(bad)
 
-    assert oracle_admission(HAND, 3, "lru") == pytest.approx(7 / 11)
-    # Capacity 1: a request's own blocks are not evicted for each other, so 1 is
-    # kept and 2, 3 are not stored: one hit in each of the three later requests.
-    assert oracle_admission(HAND, 1, "lru") == pytest.approx(3 / 11)
+
+# Two sessions: A = 1 2 | 1 2 3 4 | 1 2 3 4 5 6 (three turns), B = 7 8 (one turn).
+SESSIONS = [(1, 2, 9), (7, 8, 10), (1, 2, 3, 4, 11), (1, 2, 3, 4, 5, 6, 12)]
+
+
+def test_sessions_and_derived_hints_follow_the_trace_structure():
+    trace = requests(SESSIONS)
+    structure = sessions(trace)
+    assert structure.session == (0, 1, 0, 0) and structure.turn == (0, 0, 1, 2)
+    assert structure.continues == (True, False, True, False)
+    right = derive_hints(trace, HintMode(True, 0.0))
+    assert right[0] == RequestHints(session=0, turn=0, continues=True)
+    wrong = derive_hints(trace, HintMode(True, 1.0))
+    assert [h.continues for h in wrong] == [False, True, False, True]
+    assert derive_hints(trace, HintMode(queue=4)) == [None] * 4
+
+
+def test_a_shared_prefix_alone_does_not_link_sessions():
+    # Every request opens with the system prompt 1; 1 2 4 continues 1 2 (tail 5),
+    # 1 3 and 1 alone start sessions of their own.
+    trace = requests([(1, 2, 5), (1, 3, 6), (1, 7), (1, 2, 4, 8), (1, 9)])
+    assert sessions(trace).session == (0, 1, 2, 0, 3)
+
+
+def test_replay_with_hints_runs_through_the_tier():
+    trace = generate_workload("chat", 400, seed=1)
+    plain = replay(trace, 150, "hitdensity")
+    hinted = replay(trace, 150, "hitdensity", hints=HintMode(True, 0.0, 8))
+    assert hinted.total_blocks == plain.total_blocks and hinted.hit_blocks > plain.hit_blocks
+    # A policy that ignores hints gives the same figures with them.
+    assert replay(trace, 150, "lru", hints=HintMode(True, 0.0, 8)) == replay(trace, 150, "lru")
+    assert uses_hints("hitdensity") and not uses_hints("lru+reuse")
+
+
+def test_policy_table_rows_per_hint_mode():
+    trace = generate_workload("chat", 300, seed=2)
+    modes = [HintMode(), HintMode(True, 0.1), HintMode(queue=8)]
+    table = policy_table(trace, (100,), ("lru", "hitdensity"), modes)
+    assert list(table.rows) == ["lru", "hitdensity", "hitdensity [cont 90%]",
+                                "hitdensity [queue 8]"]
+    assert table.exact and table.same_as == {"lru": "lru"}
+    text = table.format("t")
+    assert "hitdensity [queue 8]" in text and "ignore hints" in text
+
+
+def test_policy_table_uses_the_upper_bound_where_ids_follow_several_parents():
+    trace = generate_workload("rag-content", 300, seed=1)
+    table = policy_table(trace, (50,), ("lru",))
+    assert not table.exact
+    assert table.optimum[0].hit_blocks >= table.rows["lru"][0].hit_blocks
+    assert "upper bound" in table.format()
+
+
+def test_main_on_synthetic_workloads_prints_a_summary(capsys):
+    assert main(["--workloads", "chat", "agent", "--requests", "150", "--capacities", "50",
+                 "--policies", "lru", "hitdensity", "--hints", "none", "queue:4"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic 'agent'" in out and "min/lru" in out and "hitdensity [queue 4]" in out
+
+
+def test_main_rejects_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit, match="unknown workload"):
+        main(["--workloads", "nope"])
+    with pytest.raises(SystemExit, match="not a hint mode"):
+        main(["--workloads", "chat", "--hints", "sometimes"])
+    with pytest.raises(SystemExit, match="no trace"):
+        main([str(tmp_path / "missing.jsonl")])

@@ -6,12 +6,20 @@ from collections import Counter
 
 import pytest
 
+from tierkv.bench.belady import prefix_consistent
 from tierkv.workloads.synthetic import (
     PRESETS,
+    AgentSpec,
+    RagSpec,
     WorkloadSpec,
+    generate_agents,
     generate_conversations,
+    generate_rag,
     generate_workload,
 )
+from tierkv.workloads.traces import sessions
+
+PREFIX_PRESETS = sorted(n for n, spec in PRESETS.items() if getattr(spec, "ids", "") != "content")
 
 
 def parents(trace) -> dict[int, int]:
@@ -30,7 +38,7 @@ def test_deterministic_for_a_seed():
     assert len(generate_conversations(123)) == 123 and generate_conversations(0) == []
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", PREFIX_PRESETS)
 def test_presets_have_prefix_ids_and_partial_last_blocks(name):
     trace = generate_workload(name, 400, seed=1)
     assert len(trace) == 400
@@ -93,3 +101,58 @@ def test_turn_count_and_spec_validation():
         generate_conversations(1, bogus=1)
     with pytest.raises(ValueError, match="unknown workload"):
         generate_workload("nope", 1)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_deterministic_and_in_time_order(name):
+    a, b = generate_workload(name, 300, seed=7), generate_workload(name, 300, seed=7)
+    assert a == b and len(a) == 300
+    assert [r.timestamp_ms for r in a] == sorted(r.timestamp_ms for r in a)
+    assert a != generate_workload(name, 300, seed=8)
+
+
+def test_agent_sessions_grow_by_tool_results_and_share_their_prompt():
+    trace = generate_agents(800, seed=1, agents=16, steps=8.0, agent_types=2)
+    structure = sessions(trace)
+    # Sessions run many steps; each step extends the previous one's full blocks.
+    assert sum(structure.continues) / len(trace) > 0.75
+    assert max(structure.turn) >= 10
+    # Two agent types: every request opens with one of two long prompts.
+    first = Counter(r.hash_ids[0] for r in trace)
+    assert len(first) == 2
+    assert prefix_consistent([r.hash_ids for r in trace])
+    # Tool durations vary: some next steps come at once, others much later.
+    gaps = []
+    last: dict[int, float] = {}
+    for request, sid in zip(trace, structure.session, strict=True):
+        if sid in last:
+            gaps.append(request.timestamp_ms - last[sid])
+        last[sid] = request.timestamp_ms
+    gaps.sort()
+    assert gaps[len(gaps) // 10] * 10 < gaps[9 * len(gaps) // 10]
+
+
+def test_rag_prefix_ids_versus_content_ids():
+    params = dict(sessions=16, documents=50, chunks=(3, 3), zipf=1.2, turns=1.0)
+    chained = generate_rag(600, seed=2, **params)
+    content = generate_rag(600, seed=2, ids="content", repeat_share=0.5, **params)
+    assert prefix_consistent([r.hash_ids for r in chained])
+    assert not prefix_consistent([r.hash_ids for r in content])
+    # Content ids: a popular passage has one id wherever it appears, so fewer ids.
+    distinct = [len({h for r in t for h in r.hash_ids}) for t in (chained, content)]
+    assert distinct[1] < distinct[0]
+    # The odd duplicate passage: some requests name an id twice.
+    assert any(len(set(r.hash_ids)) < len(r.hash_ids) for r in content)
+
+
+def test_agent_and_rag_spec_validation():
+    with pytest.raises(ValueError):
+        AgentSpec(steps=0.5)
+    with pytest.raises(ValueError):
+        AgentSpec(tool_seconds=0)
+    with pytest.raises(ValueError):
+        RagSpec(ids="bogus")
+    with pytest.raises(ValueError):
+        RagSpec(chunks=(0, 0))
+    with pytest.raises(TypeError, match="unknown workload parameter"):
+        generate_rag(1, bogus=1)

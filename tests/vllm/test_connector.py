@@ -137,3 +137,35 @@ def test_an_engine_without_a_node_says_so(tmp_path):
               "tierkv_instance": "tnonode", "tierkv_address": f"ipc://{tmp_path}/c.sock"}
     with pytest.raises(RegionError, match="is the broker of instance 'tnonode' running"):
         Engine(SHAPE, config)
+
+
+def test_chunks_of_two_gpu_blocks_are_stored_and_loaded_byte_exact(start_node):
+    """vLLM's `block_size` of 32 tokens: an offloaded chunk is two 16-token GPU blocks,
+    two tierkv blocks; partial chunks at a request's edges are skipped or split."""
+    node = start_node(cpu_blocks=64)
+    engine = Engine(SHAPE, extra_config(node, block_size=2 * SHAPE.block_size))
+    try:
+        docs = documents(6)
+        for tag in range(3):
+            run_round(engine, docs, tag)
+    finally:
+        engine.close()
+    assert engine.mismatches == []
+    assert engine.tokens["external_hits"] >= 2 * DOC_BLOCKS * SHAPE.block_size
+
+
+def test_every_lookup_can_wait_for_the_end_of_step_round_trip(start_node):
+    """`sync_lookups` 0: no lookup has a round trip of its own; each request is told
+    RETRY once and served from the end-of-step answers."""
+    node = start_node(cpu_blocks=128)
+    first = Engine(SHAPE, extra_config(node, sync_lookups=0), name="a")
+    second = Engine(SHAPE, extra_config(node, sync_lookups=0), name="b")
+    try:
+        docs = documents(4)
+        run_round(first, docs, 0)
+        run_round(second, docs, 1)
+    finally:
+        first.close()
+        second.close()
+    assert first.mismatches == [] and second.mismatches == []
+    assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size

@@ -1,55 +1,59 @@
-"""Belady's offline optimum for the prefix-cache replay, and a brute force to check it.
+"""Offline references for the prefix-cache replay: Belady's optimum, a true upper
+bound where Belady's greedy is not one, and a brute force to check both.
 
 The replay rule is the one of `tierkv.workloads.traces.prefix_hit_ratio`: a request hits on
-its leading run of cached blocks; then its blocks are stored. An offline reference
-knows every future request, so after each request it keeps the blocks whose next
-use is soonest ("evict the block whose next use is furthest", Belady 1966). Next
-use is measured in global access positions (request order, then position within
-the request), so on a prefix trace a parent, which comes before its child in every
-request holding the child, always ranks as *sooner* than the child: ties between a
-chain's blocks go to evicting the deepest block first.
+its leading run of cached blocks; then its blocks are stored. Blocks are counted by
+position, as the replay counts them: a request naming an id twice counts two blocks
+(both hit or both miss). An offline reference knows every future request, so after
+each request it keeps the blocks whose next use is soonest ("evict the block whose
+next use is furthest", Belady 1966). Next use is measured in global access
+positions (request order, then position within the request), so on a prefix trace a
+parent, which comes before its child in every request holding the child, always
+ranks as *sooner* than the child: ties between a chain's blocks go to evicting the
+deepest block first.
 
 Two variants, differing only in admission:
 
 * ``bypass=False`` (demand): every block of a request is stored, exactly as the
   replay rule and `PrimaryTier` do (a request's own blocks are protected while it
   is stored; a request that cannot fit is refused whole). Victims are the cached
-  blocks of other requests with the furthest next use. This is the optimum of
-  *policies that admit everything* (LRU, ARC).
+  blocks of other requests with the furthest next use. The best of *policies that
+  admit everything* on prefix-consistent traces.
 * ``bypass=True`` (optional caching): after a request the cache keeps the
   `capacity` blocks of (cache ∪ the request's blocks) with the soonest next use, so
   a block whose next use is further than every cached block's is never admitted,
-  and a block never used again is never stored. This is the true optimum once a
-  policy may refuse admission (a reuse filter; `histarc` evicts unproven blocks
-  first, which comes close), and the one the comparisons use.
+  and a block never used again is never stored.
 
-Why these are optima. Counting a hit for *every* cached block a request names (not
-only its leading run), the greedy "keep the soonest" is optimal by the classic
-exchange argument, for both admission models. On a *prefix-consistent* trace (each
-block id always follows the same parent id, as Mooncake's prefix hashes do) the
-cache that greedy keeps is prefix-closed: a block's parent is named in every request
-that names the block and so is always used sooner; hence every cached block of a
-request lies in its leading run, prefix hits equal all hits, and the greedy is the
-exact optimum of prefix hits too. On a trace that is not prefix-consistent (random
-ids) the greedy's prefix hits can fall short of the best achievable prefix hits
-(small random traces in the tests show it); `brute_force_hits` takes the objective
-as a parameter so tests compare like with like.
+When Belady is the optimum, and what bounds the rest. Count a hit for *every*
+cached block a request names, each distinct id once (any-position hits): then the
+greedy "keep the soonest" is optimal by the classic exchange argument, for both
+admission models, and every policy's prefix hits are at most its any-position hits.
+On a *prefix-consistent* trace (each id always follows the same parent id and no
+request repeats an id, as Mooncake's prefix hashes and vLLM's chained block hashes
+guarantee) the cache that greedy keeps is prefix-closed: a block's parent is named
+in every request that names the block and so is always used sooner; hence every
+cached block of a request lies in its leading run, prefix hits equal any-position
+hits, and Belady with bypass is the exact optimum of the replay (`exact`).
 
-Numbers on the Mooncake conversation trace (12,031 requests, 288,500 accesses;
-`python -m tierkv.bench.trace_table`), hit ratio at capacity 1000 / 4000 / 16000 blocks,
-with LRU's hit ratio as a fraction of each:
+Where ids follow several parents (content-addressed chunks, as in some RAG
+pipelines) or a request repeats an id, that argument fails and the greedy's prefix
+hits are *not* an upper bound (LRU can beat them). `reference` then reports, as
+the bound, the greedy's any-position hits over distinct ids plus every repeated
+position whose id was named by an earlier request (the most a repeat can add): a
+true upper bound on the prefix hits of any policy, not necessarily reachable.
+`brute_force_hits` checks both claims on small traces (`tests/unit/test_belady.py`).
+
+Numbers on the Mooncake conversation trace (12,031 requests, 288,500 accesses,
+prefix-consistent), hit ratio at capacity 1000 / 4000 / 16000 blocks, with LRU's
+hit ratio as a fraction of each:
 
     LRU                     0.0445  0.0853  0.2627
     Belady, bypass=False    0.1792  0.3205  0.3664   LRU/Belady 0.248 0.266 0.717
     Belady, bypass=True     0.1907  0.3223  0.3664   LRU/Belady 0.233 0.265 0.717
 
-The issue's figures (LRU reaches about 0.25, 0.27 and 0.72 of Belady) are those of
-the demand variant. The bypass variant is the true optimum and the reference the
-comparisons use (`tierkv.bench.replay`); the two differ only at small capacities, where
-storing a block that will not be used again costs a block that would (6% more hits
-at 1000 blocks), and LRU's geometric-mean fraction is 0.354 against it (0.362
-against the demand variant). Both keep the trace's cache prefix-closed (prefix hits
-equal all hits), as argued above.
+The bypass variant is the reference the comparisons use (`tierkv.bench.replay`); the two
+differ only at small capacities, where storing a block that will not be used again
+costs a block that would (6% more hits at 1000 blocks).
 """
 
 from __future__ import annotations
@@ -64,15 +68,81 @@ NEVER = 1 << 62  # the next-use position of a block that is not used again
 
 @dataclass(frozen=True, slots=True)
 class BeladyResult:
-    hit_blocks: int  # prefix hits: the leading run of cached blocks of each request
-    total_blocks: int
-    any_hits: int  # cached blocks anywhere in a request (equals hit_blocks on prefix traces)
+    hit_blocks: int  # prefix hits (positions): the leading run of cached blocks
+    total_blocks: int  # positions
+    any_hits: int  # cached blocks anywhere in a request, each distinct id once
     evictions: int  # blocks dropped from the cache, bypassed blocks included
     refused: int  # requests whose store could not fit (bypass=False only)
 
     @property
     def hit_ratio(self) -> float:
         return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+BoundResult = BeladyResult
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The references of one trace at one capacity (see the module's doc).
+
+    `bound`: what policies are measured against, a true upper bound on prefix hits;
+    Belady with bypass when `exact`, else the any-position bound. `greedy`: Belady
+    with bypass (prefix hits of that offline schedule, reachable). `demand`: Belady
+    storing every block."""
+
+    bound: BeladyResult
+    greedy: BeladyResult
+    demand: BeladyResult
+    exact: bool
+
+
+def prefix_consistent(requests: Sequence[Sequence[Hashable]]) -> bool:
+    """Each id always follows the same parent id (or always starts a request), and
+    no request names an id twice."""
+    parent: dict[Hashable, Hashable] = {}
+    root = object()
+    for keys in requests:
+        prev: Hashable = root
+        for key in keys:
+            if parent.setdefault(key, prev) is not prev and parent[key] != prev:
+                return False
+            prev = key
+        if len(set(keys)) != len(keys):
+            return False
+    return True
+
+
+def reference(requests: Sequence[Sequence[Hashable]], capacity: int,
+              *, exact: bool | None = None) -> Reference:
+    """Bound, greedy and demand references at `capacity`. `exact` (computed when
+    None) says whether the trace is prefix-consistent."""
+    if exact is None:
+        exact = prefix_consistent(requests)
+    greedy = belady(requests, capacity, bypass=True)
+    demand = belady(requests, capacity, bypass=False)
+    if exact:
+        return Reference(greedy, greedy, demand, True)
+    bound_hits = greedy.any_hits + reachable_repeats(requests)
+    bound = BeladyResult(max(bound_hits, greedy.hit_blocks), greedy.total_blocks,
+                         greedy.any_hits, greedy.evictions, 0)
+    return Reference(bound, greedy, demand, False)
+
+
+def reachable_repeats(requests: Sequence[Sequence[Hashable]]) -> int:
+    """Positions that repeat an id earlier in the same request, where the id was
+    also named by an earlier request (only those can be hits)."""
+    seen: set[Hashable] = set()
+    count = 0
+    for keys in requests:
+        if len(keys) != len(set(keys)):
+            mine: set[Hashable] = set()
+            for key in keys:
+                if key in mine:
+                    count += key in seen
+                mine.add(key)
+        seen.update(keys)
+    return count
 
 
 def next_uses(requests: Sequence[Sequence[Hashable]]) -> list[list[int]]:
@@ -98,20 +168,23 @@ def belady(
 ) -> BeladyResult:
     """Replay `requests` (each a sequence of block ids) against the offline optimum.
 
-    O(accesses · log accesses): a max-heap of (next use, key) with lazy deletion;
-    an entry is live while it matches the key's current next use in `cached`."""
+    Decisions are made on each request's distinct ids; hits and totals are counted
+    by position, as the replay counts them. O(accesses · log accesses): a max-heap
+    of (next use, key) with lazy deletion; an entry is live while it matches the
+    key's current next use in `cached`."""
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
-    requests = [list(dict.fromkeys(r)) for r in requests]  # a block counts once per request
+    positions = requests
+    requests = [list(dict.fromkeys(r)) for r in requests]  # decisions: distinct ids
     nxt = next_uses(requests)
     cached: dict[Hashable, int] = {}  # key -> its next use (live heap entry)
     heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, key)
     tiebreak = itertools.count()
     hits = any_hits = total = evictions = refused = 0
-    for keys, uses in zip(requests, nxt, strict=True):
-        total += len(keys)
+    for named, keys, uses in zip(positions, requests, nxt, strict=True):
+        total += len(named)
         run = 0
-        while run < len(keys) and keys[run] in cached:
+        while run < len(named) and named[run] in cached:
             run += 1
         hits += run
         any_hits += sum(1 for k in keys if k in cached)
@@ -173,9 +246,10 @@ def brute_force_hits(
     (cache ∪ the request's blocks) of at most `capacity` blocks; without it, the
     request's blocks plus the cache minus any set of victims from other blocks that
     makes room (or, if the request cannot fit, the cache unchanged). `prefix`
-    counts the leading run of cached blocks as hits (the replay rule); otherwise
-    every cached block a request names counts. Exponential: keep traces to a few
-    requests over a handful of blocks."""
+    counts the leading run of cached positions as hits (the replay rule); otherwise
+    every cached distinct id a request names counts. Exponential: keep traces to a
+    few requests over a handful of blocks."""
+    named = [tuple(r) for r in requests]
     requests = [tuple(dict.fromkeys(r)) for r in requests]
     memo: dict[tuple[int, frozenset[Hashable]], int] = {}
 
@@ -186,7 +260,7 @@ def brute_force_hits(
         if state in memo:
             return memo[state]
         keys = requests[i]
-        gained = _hits(keys, cache, prefix)
+        gained = _hits(named[i] if prefix else keys, cache, prefix)
         value = gained + max(best(i + 1, nxt) for nxt in _successors(keys, cache, capacity,
                                                                       bypass))
         memo[state] = value

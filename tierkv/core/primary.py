@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
 
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.policies import CachePolicy, make_policy
+from tierkv.core.policies.hints import RequestHints
 from tierkv.core.reuse import ReuseFilter
 
 
@@ -256,6 +257,38 @@ class PrimaryTier:
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self.policy.touch(keys)
+
+    # -- engine hints (advice for the policy; see tierkv.core.policies.base) -------------
+
+    def note_request(self, req_id: Hashable, keys: Sequence[OffloadKey],
+                     hints: RequestHints | None = None, now: float = 0.0) -> None:
+        """A request was looked up with this full key chain and these hints."""
+        self.policy.note_request(req_id, keys, hints, now)
+
+    def note_finish(self, req_id: Hashable, now: float = 0.0) -> None:
+        """The request finished."""
+        self.policy.note_finish(req_id, now)
+
+    def note_queue(self, chains: Sequence[Sequence[OffloadKey]],
+                   now: float = 0.0) -> list[OffloadKey]:
+        """The key chains of the requests waiting in the engine's queue (first to be
+        scheduled first), once per step. Returns the prefetch candidates: per chain,
+        in queue order, the keys after its leading run of ready blocks that this
+        tier does not hold (a manager promotes them from slower tiers)."""
+        self.policy.note_queue(chains, now)
+        blocks = self._blocks
+        wanted: dict[OffloadKey, None] = {}
+        for chain in chains:
+            run = 0
+            for key in chain:
+                block = blocks.get(key)
+                if block is None or block.state is not State.READY:
+                    break
+                run += 1
+            for key in chain[run:]:
+                if key not in blocks:
+                    wanted[key] = None
+        return list(wanted)
 
     # -- maintenance -------------------------------------------------------------
 

@@ -47,10 +47,12 @@ from tierkv.core.errors import LOST
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.leases import Leases
 from tierkv.core.loglimit import RateLimitedLog
+from tierkv.core.policies.hints import RequestHints
 from tierkv.core.primary import BlockStateError, PrepareStoreOutput, PrimaryTier
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
 
 log = logging.getLogger("tierkv.core.tiering")
+QUEUE_PREFETCH = 8  # waiting requests whose missing blocks are promoted ahead of time
 PROMOTION_BACKOFF_S = 1.0  # a key whose promotion failed (not lost) waits this long first
 PROMOTION_BACKOFF_MAX_S = 60.0  # and at most this long, while its tier keeps failing
 
@@ -135,15 +137,19 @@ class TieringManager:
     # -- the scheduler-facing operations --------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
-               tiers: Container[str] | None = None) -> Lookup:
+               tiers: Container[str] | None = None,
+               hints: RequestHints | None = None) -> Lookup:
         """How many leading keys are CPU hits, and whether to ask again: keys after
         the hits are scanned up to the first one no tier holds, and each a tier
         holds starts a promotion. The hits are leased to `req_id` (if given) until
         it loads them, finishes, or `lease_s` passes. `tiers`: the secondary tiers
-        this request may be served from (None: all)."""
+        this request may be served from (None: all); `hints`: what the engine says
+        of the request (advice for the policy)."""
         if not self._polled:
             self._poll_once()
         keys = keys if isinstance(keys, list) else list(keys)
+        if req_id is not None:
+            self.primary.note_request(req_id, keys, hints, self.clock())
         hits = self.primary.lookup(keys)
         if hits and req_id is not None:
             self.leases.lease(req_id, keys[:hits])
@@ -155,13 +161,16 @@ class TieringManager:
         return Lookup(hits, pending or retry, retry)
 
     def lookup_keys(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
-                    tiers: Container[str] | None = None) -> tuple[Lookup, list[int]]:
+                    tiers: Container[str] | None = None,
+                    hints: RequestHints | None = None) -> tuple[Lookup, list[int]]:
         """`lookup` with a status per key (MISS, HIT, PENDING, RETRY), each key on
         its own: for engines whose layers do not need a leading run (sliding window,
         hybrid models). Every key a tier holds starts a promotion; CPU hits are
         leased as in `lookup`."""
         self._poll_once()
         keys = keys if isinstance(keys, list) else list(keys)
+        if req_id is not None:
+            self.primary.note_request(req_id, keys, hints, self.clock())
         ready = self.primary.is_ready
         status = [HIT if ready(k) else MISS for k in keys]
         hit_keys = [k for k, st in zip(keys, status, strict=True) if st == HIT]
@@ -273,11 +282,17 @@ class TieringManager:
         self.primary.complete_load(keys)
 
     def waiting(self, requests: list[list[OffloadKey]]) -> None:
-        """The prefix keys of the requests waiting in the engine's queue: advice for
-        a policy that keeps what they will need (those that do not listen ignore it)."""
-        advise = getattr(self.primary.policy, "waiting", None)
-        if advise is not None:
-            advise(requests, self.clock())
+        """The key chains of the requests waiting in the engine's queue (first to be
+        scheduled first): advice for the policy, and what it would miss of the first
+        `QUEUE_PREFETCH` of them is promoted from the tiers that hold it now, so the
+        lookup that admits them finds it ready."""
+        self.primary.note_queue(requests, self.clock())
+        if not self.tiers:
+            return
+        for chain in requests[:QUEUE_PREFETCH]:
+            hits = self.primary.lookup(chain)
+            if hits < len(chain):
+                self._scan(chain, hits, None, None, None)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.primary.touch(keys)
@@ -288,6 +303,7 @@ class TieringManager:
         """The request is done: its leases end and its unsent promotions are cancelled."""
         if req_id is not None:
             self.leases.end(req_id)
+            self.primary.note_finish(req_id, self.clock())
         for (tier, req), keys in list(self._queued_promotions.items()):
             if req == req_id:
                 del self._queued_promotions[(tier, req)]

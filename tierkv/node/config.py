@@ -53,7 +53,7 @@ class CpuConfig:
                          "the engine layout's page_size")
     world_size: int = doc(1, "tensor-parallel ranks: one gpu worker each, one page each "
                           "per block")
-    policy: str = doc("lru", "the eviction policy (see `known` below)")
+    policy: str = doc("hitdensity", "the eviction policy (see `known` below)")
     reuse_threshold: int = doc(0, "0: store every block; n: only after n lookups of it")
     cascade_backlog_blocks: int = doc(0, "keys waiting to be cascaded to one secondary tier, "
                                       "at most; past it new blocks skip that tier rather than "

@@ -1,10 +1,18 @@
-"""Synthetic Mooncake-format workloads: multi-turn conversations over shared prefixes.
+"""Synthetic Mooncake-format workloads: conversations, agents and RAG over shared prefixes.
 
 Real traces are scarce and describe one service; a policy tuned on one of them may
-only have learned that service. The generator produces traces with the same shape
+only have learned that service. The generators produce traces with the same shape
 (`tierkv.workloads.traces.Request`, `hash_ids` = prefix block ids) whose structure is set by
 a few parameters, so a policy can be checked against workloads it was not tuned on,
-and a demo can drive the service without a trace file.
+and a demo can drive the service without a trace file. Three families:
+
+* conversations (`WorkloadSpec`, `generate_conversations`): described below;
+* agent sessions with tool calls (`AgentSpec`, `generate_agents`);
+* retrieval-augmented generation over a shared document pool (`RagSpec`,
+  `generate_rag`).
+
+`PRESETS` names structurally different settings of all three; `generate_workload`
+makes any of them.
 
 Model. A number of conversations are open at once; each opens with a shared system
 prompt (Zipf-popular), optionally a shared document (Zipf-popular), and a first
@@ -17,6 +25,25 @@ and the same document behind two different system prompts gets different ids, as
 prefix hash would.
 
 Everything is drawn from one `random.Random(seed)`: a seed fixes the trace.
+
+Agents. An agent session opens with a long shared prompt (instructions and tool
+schemas, Zipf-popular among a few agent types) and a task, then loops: the model
+answers with a tool call, the tool runs for a while (lognormal: from a fraction of a
+second to minutes, so a session's next request may come right away or long after),
+and its result (lognormal length: a status line or a whole file) is appended for the
+next request. Sessions run for many steps (geometric) and are replaced when done.
+Timestamps are real seconds (ms in the trace), new sessions arriving as a Poisson
+stream so that about `agents` are open at once.
+
+RAG. Each query opens with a shared system prompt, then the `chunks` passages a
+retriever returned from a pool of `documents` (Zipf popularity), then the question;
+a follow-up question (geometric number of turns) keeps the passages and the
+history. With `ids="prefix"` block ids are chained hashes, as an engine's prefix
+cache sees them: a passage has one id per prefix it follows. With
+`ids="content"` a passage's blocks keep the same ids wherever they appear (a
+position-independent store), so ids follow several parents and a request may
+repeat one (`repeat_share`): such traces have no exact Belady (see
+`tierkv.bench.belady`).
 """
 
 from __future__ import annotations
@@ -70,6 +97,70 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be a (low, high) range with 0 <= low <= high")
 
 
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    """Agent sessions with tool calls (see `generate_agents`)."""
+
+    agents: int = 48  # sessions open at once (on average)
+    steps: float = 10.0  # mean requests per session (geometric, at least 1)
+    agent_types: int = 6  # shared prompts (instructions + tool schemas), Zipf-popular
+    prompt_blocks: Span = (6, 24)
+    zipf: float = 1.0
+    task_blocks: Span = (1, 6)  # the user's task
+    call_blocks: Span = (0, 1)  # the model's tool call, appended to the history
+    result_blocks: float = 3.0  # median tool-result length (lognormal), in blocks
+    result_spread: float = 1.2  # lognormal sigma of the result length
+    max_result_blocks: int = 96
+    tool_seconds: float = 4.0  # median tool duration (lognormal)
+    tool_spread: float = 1.5  # lognormal sigma of the tool duration
+    decode_seconds: float = 2.0  # mean time to generate a step's output (exponential)
+
+    def __post_init__(self) -> None:
+        if self.agents < 1 or self.agent_types < 1 or self.steps < 1:
+            raise ValueError("agents, agent_types and steps must be at least 1")
+        if min(self.tool_seconds, self.decode_seconds, self.result_blocks) <= 0:
+            raise ValueError("tool_seconds, decode_seconds and result_blocks must be > 0")
+        for name in ("prompt_blocks", "task_blocks", "call_blocks"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= high:
+                raise ValueError(f"{name} must be a (low, high) range with 0 <= low <= high")
+
+
+@dataclass(frozen=True, slots=True)
+class RagSpec:
+    """Retrieval-augmented queries over a shared document pool (see `generate_rag`)."""
+
+    sessions: int = 64  # open at once; with `turns` it sets the reuse distance
+    turns: float = 1.5  # mean questions per session (geometric, at least 1)
+    documents: int = 4000  # passages in the pool
+    chunk_blocks: Span = (1, 4)  # blocks per passage
+    chunks: Span = (3, 6)  # passages retrieved per question
+    zipf: float = 1.0  # popularity skew of passages
+    sorted_chunks: bool = False  # passages in pool order (improves prefix reuse)
+    system_prompts: int = 2
+    system_prompt_blocks: int = 2
+    question_blocks: Span = (1, 2)
+    answer_blocks: Span = (1, 2)
+    ids: str = "prefix"  # "prefix": chained hashes; "content": an id per passage block
+    repeat_share: float = 0.0  # content ids: chance that a retrieved passage repeats
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.documents < 1 or self.system_prompts < 1:
+            raise ValueError("sessions, documents and system_prompts must be at least 1")
+        if self.turns < 1:
+            raise ValueError(f"turns is a mean number of turns, at least 1, got {self.turns}")
+        if self.ids not in ("prefix", "content"):
+            raise ValueError(f"ids must be 'prefix' or 'content', got {self.ids!r}")
+        if not 0.0 <= self.repeat_share < 1.0:
+            raise ValueError("repeat_share must be in [0, 1)")
+        for name in ("chunk_blocks", "chunks", "question_blocks", "answer_blocks"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= high:
+                raise ValueError(f"{name} must be a (low, high) range with 0 <= low <= high")
+        if self.chunk_blocks[1] < 1 or self.chunks[1] < 1:
+            raise ValueError("chunk_blocks and chunks need a high end of at least 1")
+
+
 # Structurally different settings, used to check that a policy is not tuned to one
 # trace; each has a working set of thousands to tens of thousands of blocks, the
 # range where a CPU tier of 1000-16000 blocks has choices to make.
@@ -78,7 +169,14 @@ class WorkloadSpec:
 # "docs": short conversations that mostly open with one of many shared documents of
 # Zipf popularity, so reuse is across conversations.
 # "scan": chat interleaved with long one-off requests that must not flush it.
-PRESETS: dict[str, WorkloadSpec] = {
+# "longdoc": the shape of Mooncake's synthetic trace (FAST'25 release): long prompts
+# (a document, 10-100 blocks) asked about again minutes later with one new block
+# each time, some asked once, between short one-off chats that are never reused.
+# "agent": agent sessions with tool calls of varying duration and result length.
+# "rag": questions over a shared passage pool, chained (prefix) block ids.
+# "rag-content": the same with content-addressed passage blocks: ids follow several
+# parents and requests repeat some (reported against an upper bound, not Belady).
+PRESETS: dict[str, Any] = {
     "chat": WorkloadSpec(
         conversations=300, turns=4.0, system_prompts=4, system_prompt_blocks=2,
         first_blocks=(4, 40), turn_blocks=(1, 3),
@@ -93,6 +191,15 @@ PRESETS: dict[str, WorkloadSpec] = {
         first_blocks=(4, 24), turn_blocks=(1, 3), one_off_share=0.4,
         one_off_blocks=(24, 96),
     ),
+    "longdoc": WorkloadSpec(
+        conversations=200, turns=2.5, system_prompts=1, system_prompt_blocks=0,
+        first_blocks=(10, 100), turn_blocks=(1, 1), answer_blocks=(0, 0),
+        pace_spread=1.2, one_off_share=0.35, one_off_blocks=(1, 2),
+    ),
+    "agent": AgentSpec(agents=160),
+    "rag": RagSpec(sessions=160, documents=20000, zipf=0.9),
+    "rag-content": RagSpec(sessions=160, documents=20000, zipf=0.9, ids="content",
+                           sorted_chunks=True, repeat_share=0.05),
 }
 
 
@@ -117,15 +224,42 @@ def generate_workload(name: str, n_requests: int, *, seed: int = 0) -> list[Requ
         spec = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(PRESETS)}") from None
+    if isinstance(spec, AgentSpec):
+        return generate_agents(n_requests, seed=seed, spec=spec)
+    if isinstance(spec, RagSpec):
+        return generate_rag(n_requests, seed=seed, spec=spec)
     return generate_conversations(n_requests, seed=seed, spec=spec)
 
 
-def _replace(spec: WorkloadSpec, params: dict[str, Any]) -> WorkloadSpec:
-    known = set(WorkloadSpec.__dataclass_fields__)
+def generate_agents(
+    n_requests: int, *, seed: int = 0, spec: AgentSpec | None = None, **params: Any
+) -> list[Request]:
+    """`n_requests` requests of agent sessions, in arrival order (see the module's doc).
+    Parameters are those of `AgentSpec`, as keywords or `spec`."""
+    if n_requests < 0:
+        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
+    spec = _replace(spec or AgentSpec(), params) if params else (spec or AgentSpec())
+    return _AgentGenerator(spec, random.Random(seed)).run(n_requests)
+
+
+def generate_rag(
+    n_requests: int, *, seed: int = 0, spec: RagSpec | None = None, **params: Any
+) -> list[Request]:
+    """`n_requests` RAG queries, in arrival order (see the module's doc). Parameters
+    are those of `RagSpec`, as keywords or `spec`."""
+    if n_requests < 0:
+        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
+    spec = _replace(spec or RagSpec(), params) if params else (spec or RagSpec())
+    return _RagGenerator(spec, random.Random(seed)).run(n_requests)
+
+
+def _replace(spec: Any, params: dict[str, Any]) -> Any:
+    cls = type(spec)
+    known = set(cls.__dataclass_fields__)
     unknown = set(params) - known
     if unknown:
         raise TypeError(f"unknown workload parameter(s): {', '.join(sorted(unknown))}")
-    return WorkloadSpec(**{**{k: getattr(spec, k) for k in known}, **params})
+    return cls(**{**{k: getattr(spec, k) for k in known}, **params})
 
 
 class _PrefixIds:
@@ -245,3 +379,163 @@ def _draw(rng: random.Random, cumulative: list[float]) -> int:
 
 def _lognormal_mean(sigma: float) -> float:
     return math.exp(sigma * sigma / 2.0)
+
+
+class _AgentGenerator:
+    """Agent sessions on a real-time clock (seconds)."""
+
+    def __init__(self, spec: AgentSpec, rng: random.Random) -> None:
+        self.spec = spec
+        self.rng = rng
+        self.ids = _PrefixIds()
+        self.type_weights = _zipf_cumulative(spec.agent_types, spec.zipf)
+        self.prompt_lengths = [self._span(spec.prompt_blocks) for _ in range(spec.agent_types)]
+        self.serials = itertools.count()
+        self.requests = itertools.count()
+        # Little's law: sessions last about steps * (decode + tool) seconds.
+        tool_mean = spec.tool_seconds * _lognormal_mean(spec.tool_spread)
+        self.open_rate = spec.agents / (spec.steps * (spec.decode_seconds + tool_mean))
+
+    def run(self, n_requests: int) -> list[Request]:
+        rng = self.rng
+        agenda: list[tuple[float, int, _Conversation]] = []
+        now = 0.0
+        for _ in range(self.spec.agents):  # a warm start: sessions already under way
+            conv = self._open()
+            heapq.heappush(agenda, (rng.uniform(0.0, 1.0 / self.open_rate), conv.serial, conv))
+        next_open = rng.expovariate(self.open_rate)
+        out: list[Request] = []
+        while len(out) < n_requests:
+            if next_open < agenda[0][0]:
+                conv = self._open()
+                heapq.heappush(agenda, (next_open, conv.serial, conv))
+                next_open += rng.expovariate(self.open_rate)
+                continue
+            now, _, conv = heapq.heappop(agenda)
+            out.append(self._step(conv, now))
+            if conv.turns_left > 0:
+                later = now + rng.expovariate(1.0 / self.spec.decode_seconds) + (
+                    self.spec.tool_seconds * rng.lognormvariate(0.0, self.spec.tool_spread))
+                heapq.heappush(agenda, (later, conv.serial, conv))
+        return out
+
+    def _open(self) -> _Conversation:
+        spec, rng = self.spec, self.rng
+        serial = next(self.serials)
+        steps = 1
+        while rng.random() > 1.0 / spec.steps:
+            steps += 1
+        conv = _Conversation(serial, steps, 0.0)
+        kind = _draw(rng, self.type_weights)
+        conv.history = [("agent", kind, i) for i in range(self.prompt_lengths[kind])]
+        conv.history += [("task", serial, i) for i in range(self._span(spec.task_blocks))]
+        return conv
+
+    def _step(self, conv: _Conversation, now: float) -> Request:
+        spec, rng = self.spec, self.rng
+        contents = conv.history + [("tail", next(self.requests))]
+        call = [("call", conv.serial, conv.turn, i) for i in range(self._span(spec.call_blocks))]
+        length = round(spec.result_blocks * rng.lognormvariate(0.0, spec.result_spread))
+        result = [("result", conv.serial, conv.turn, i)
+                  for i in range(max(1, min(length, spec.max_result_blocks)))]
+        conv.history = conv.history + call + result
+        conv.turn += 1
+        conv.turns_left -= 1
+        hash_ids = self.ids.chain(contents)
+        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
+        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, 512),
+                       hash_ids)
+
+    def _span(self, span: Span) -> int:
+        return self.rng.randint(span[0], span[1])
+
+
+class _RagGenerator:
+    """RAG sessions: shared prompt, retrieved passages, questions (request slots)."""
+
+    def __init__(self, spec: RagSpec, rng: random.Random) -> None:
+        self.spec = spec
+        self.rng = rng
+        self.ids = _PrefixIds()
+        self.prompt_weights = _zipf_cumulative(spec.system_prompts, 1.0)
+        self.doc_weights = _zipf_cumulative(spec.documents, spec.zipf)
+        self.doc_lengths = [self._span(spec.chunk_blocks) for _ in range(spec.documents)]
+        self.content_ids: dict[Hashable, int] = {}
+        self.serials = itertools.count()
+        self.requests = itertools.count()
+
+    def run(self, n_requests: int) -> list[Request]:
+        spec, rng = self.spec, self.rng
+        agenda: list[tuple[float, int, _Conversation]] = []
+        for _ in range(spec.sessions):
+            conv = self._open()
+            heapq.heappush(agenda, (rng.expovariate(1.0 / conv.pace), conv.serial, conv))
+        out: list[Request] = []
+        while len(out) < n_requests:
+            now, _, conv = heapq.heappop(agenda)
+            out.append(self._turn(conv, now))
+            if conv.turns_left == 0:
+                conv = self._open()
+            heapq.heappush(agenda, (now + rng.expovariate(1.0 / conv.pace), conv.serial, conv))
+        return out
+
+    def _open(self) -> _Conversation:
+        spec, rng = self.spec, self.rng
+        serial = next(self.serials)
+        turns = 1
+        while rng.random() > 1.0 / spec.turns:
+            turns += 1
+        conv = _Conversation(serial, turns, spec.sessions * rng.lognormvariate(0.0, 1.0)
+                             / _lognormal_mean(1.0))
+        prompt = _draw(rng, self.prompt_weights)
+        conv.history = [("sys", prompt, i) for i in range(spec.system_prompt_blocks)]
+        docs: list[int] = []
+        for _ in range(self._span(spec.chunks)):
+            doc = _draw(rng, self.doc_weights)
+            if doc in docs and not (spec.ids == "content" and rng.random() < spec.repeat_share):
+                continue  # a retriever returns a passage once, barring the odd duplicate
+            docs.append(doc)
+        if spec.sorted_chunks:
+            docs.sort()
+        for doc in docs:
+            conv.history += [("doc", doc, i) for i in range(self.doc_lengths[doc])]
+        return conv
+
+    def _turn(self, conv: _Conversation, now: float) -> Request:
+        spec, rng = self.spec, self.rng
+        question = [("q", conv.serial, conv.turn, i)
+                    for i in range(self._span(spec.question_blocks))]
+        contents = conv.history + question + [("tail", next(self.requests))]
+        answer = [("a", conv.serial, conv.turn, i) for i in range(self._span(spec.answer_blocks))]
+        conv.history = conv.history + question + answer
+        conv.turn += 1
+        conv.turns_left -= 1
+        if spec.ids == "content":
+            hash_ids = self._content_chain(contents)
+        else:
+            hash_ids = self.ids.chain(contents)
+        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
+        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, 512),
+                       hash_ids)
+
+    def _content_chain(self, contents: Sequence[Hashable]) -> tuple[int, ...]:
+        """Passage and prompt blocks keep one id wherever they appear; the rest of
+        the request is chained behind its prefix as usual."""
+        ids = []
+        parent = -1
+        for content in contents:
+            if isinstance(content, tuple) and content[0] in ("doc", "sys"):
+                block = self.content_ids.get(content)
+                if block is None:
+                    block = self.content_ids[content] = next(self.ids._next)
+            else:
+                node = (parent, content)
+                block = self.ids._ids.get(node)
+                if block is None:
+                    block = self.ids._ids[node] = next(self.ids._next)
+            ids.append(block)
+            parent = block
+        return tuple(ids)
+
+    def _span(self, span: Span) -> int:
+        return self.rng.randint(span[0], span[1])

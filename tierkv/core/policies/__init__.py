@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from tierkv.core.policies.arc import ARCPolicy
 from tierkv.core.policies.base import CachePolicy
+from tierkv.core.policies.density import HitDensityPolicy
+from tierkv.core.policies.hints import RequestHints, hints_from_kv_hints
 from tierkv.core.policies.histarc import HistoryARCPolicy
 from tierkv.core.policies.lru import LRUPolicy
 
@@ -13,6 +15,7 @@ _POLICIES: dict[str, Callable[[int], CachePolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "histarc": HistoryARCPolicy,
+    "hitdensity": HitDensityPolicy,
 }
 
 
@@ -36,5 +39,6 @@ def make_policy(name: str, capacity: int) -> CachePolicy:
     return factory(capacity)
 
 
-__all__ = ["ARCPolicy", "CachePolicy", "LRUPolicy", "known_policies", "make_policy",
+__all__ = ["ARCPolicy", "CachePolicy", "HitDensityPolicy", "HistoryARCPolicy", "LRUPolicy",
+           "RequestHints", "hints_from_kv_hints", "known_policies", "make_policy",
            "register_policy"]
