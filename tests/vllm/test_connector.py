@@ -8,6 +8,8 @@ wrong bytes — from the CPU tier, or promoted back from disk — fails these te
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,20 @@ def test_every_lookup_can_wait_for_the_end_of_step_round_trip(start_node):
         second.close()
     assert first.mismatches == [] and second.mismatches == []
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
+
+
+def test_a_hybrid_model_offloads_both_kv_cache_groups(start_node):
+    """Full-attention and sliding-window layers in two KV-cache groups: vLLM's keys of
+    both groups are tierkv blocks, its sliding-window lookups use the per-key status,
+    and every block of both groups is checked."""
+    shape = replace(SHAPE, gpu_blocks=64, sliding_window=4 * SHAPE.block_size)
+    node = start_node(cpu_blocks=64)
+    engine = Engine(shape, extra_config(node))
+    try:
+        docs = documents(6)
+        for tag in range(3):
+            run_round(engine, docs, tag)
+    finally:
+        engine.close()
+    assert engine.mismatches == []
+    assert engine.tokens["external_hits"] >= 4 * DOC_BLOCKS * SHAPE.block_size

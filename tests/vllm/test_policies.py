@@ -357,7 +357,8 @@ def test_vllms_factory_finds_every_tierkv_policy_by_class_name(vp: ModuleType) -
         cls = CachePolicyFactory.get_cache_policy_cls(vp.class_name(name), MODULE)
         assert cls is vp.policy_class(name) and cls.policy_name == name
     assert vp.TierkvHistarc is vp.TierkvHistARC  # case is not significant
-    assert vp.policy_class_names() == ["TierkvARC", "TierkvHistARC", "TierkvLRU"]
+    assert vp.policy_class_names() == ["TierkvARC", "TierkvHistARC", "TierkvHitDensity",
+                                       "TierkvLRU"]
 
 
 def test_an_unknown_policy_name_says_which_exist(vp: ModuleType) -> None:
@@ -366,7 +367,7 @@ def test_an_unknown_policy_name_says_which_exist(vp: ModuleType) -> None:
     # A bare tierkv name is not a class; the error names the classes.
     with pytest.raises(AttributeError, match="eviction_policy is one of .*TierkvLRU"):
         make_manager(4, "histarc")
-    with pytest.raises(ValueError, match="known policies: arc, histarc, lru"):
+    with pytest.raises(ValueError, match="known policies: arc, histarc, hitdensity, lru"):
         vp.policy_class("nope")
     with pytest.raises(TypeError, match="base class; name one of TierkvARC"):
         make_manager(4, "TierkvPolicy")

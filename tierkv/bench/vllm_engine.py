@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -92,6 +93,9 @@ class EngineShape:
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
     max_model_len: int = 16384
+    # > 0: a hybrid model, the odd layers in a second KV-cache group attending to
+    # this many trailing tokens (vLLM's sliding window); 0: one full-attention group.
+    sliding_window: int = 0
 
     @property
     def layer_page_bytes(self) -> int:
@@ -176,14 +180,21 @@ def vllm_config(shape: EngineShape, extra_config: dict[str, Any]) -> VllmConfig:
 
 def kv_cache_config(shape: EngineShape) -> KVCacheConfig:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
-    spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.kv_heads,
-                             head_size=shape.head_dim, dtype=torch.float32)
+    geometry: dict[str, Any] = dict(block_size=shape.block_size, num_kv_heads=shape.kv_heads,
+                                    head_size=shape.head_dim, dtype=torch.float32)
     page = shape.layer_page_bytes
-    # One allocation, layer after layer (vLLM's layer-outermost placement).
+    # One allocation, layer after layer (vLLM's layer-outermost placement); a block id
+    # belongs to one group at a time, whose layers' pages it uses.
     tensor = KVCacheTensor(size=shape.gpu_blocks * shape.page_size, layers=layers,
                            layer_stride=page * shape.gpu_blocks, block_stride=page)
+    if shape.sliding_window:
+        groups = [KVCacheGroupSpec(layers[0::2], FullAttentionSpec(**geometry)),
+                  KVCacheGroupSpec(layers[1::2], SlidingWindowSpec(
+                      sliding_window=shape.sliding_window, **geometry))]
+    else:
+        groups = [KVCacheGroupSpec(layers, FullAttentionSpec(**geometry))]
     return KVCacheConfig(num_blocks=shape.gpu_blocks, kv_cache_tensors=[tensor],
-                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+                         kv_cache_groups=groups)
 
 
 def _jobs_done(meta: Any) -> tuple[set[str], OffloadingWorkerMetadata | None]:
@@ -246,9 +257,12 @@ class Engine:
             s = self.shape
             backing = torch.zeros(s.layers, s.gpu_blocks, 2, s.block_size, s.kv_heads,
                                   s.head_dim)
-            self.kv = {name: backing[i] for i, name in
-                       enumerate(kv_config.kv_cache_groups[0].layer_names)}
+            self.kv = {f"model.layers.{i}.self_attn.attn": backing[i]
+                       for i in range(s.layers)}
             self.worker.register_kv_caches(self.kv)
+        # Per KV-cache group: the KV tensors of its layers.
+        self._group_layers = [[self.kv[n] for n in g.layer_names] if self.kv else []
+                              for g in kv_config.kv_cache_groups]
         self._hasher = get_request_block_hasher(self.shape.block_size, sha256)
         self._counter = 0
 
@@ -340,35 +354,42 @@ class Engine:
 
     def _forward(self, out: Any) -> None:
         """Check what each scheduled request counts as computed, then compute its new
-        full blocks (write their bytes)."""
+        full blocks (write their bytes), group by group; null blocks (outside a
+        sliding window) hold nothing."""
+        bs = self.shape.block_size
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests.get(req_id)
             if req is None or n == 0:
                 continue
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            bs = self.shape.block_size
             # The scheduler already counts this step's tokens as computed.
             before = req.num_computed_tokens - n
             first_new = before // bs
-            for i in range(min(first_new, len(req.block_hashes))):
-                self._check(req_id, i, block_ids[i], req.block_hashes[i])
             end = min((before + n) // bs, len(req.block_hashes))
-            for i in range(first_new, end):
-                self._write(block_ids[i], req.block_hashes[i])
+            groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for group, block_ids in enumerate(groups):
+                for i in range(min(first_new, len(req.block_hashes), len(block_ids))):
+                    if block_ids[i]:
+                        self._check(req_id, group, i, block_ids[i], req.block_hashes[i])
+                for i in range(first_new, min(end, len(block_ids))):
+                    if block_ids[i]:
+                        self._write(group, block_ids[i], req.block_hashes[i])
 
-    def _write(self, block_id: int, block_hash: bytes) -> None:
-        page = self.shape.layer_page_bytes
-        for layer, tensor in enumerate(self.kv.values()):
-            view = tensor[block_id].view(torch.uint8).view(-1).numpy()
-            view[:] = block_bytes(block_hash + bytes([layer]), page)
+    def _pages(self, group: int, block_id: int) -> list[np.ndarray]:
+        return [t[block_id].view(torch.uint8).view(-1).numpy()
+                for t in self._group_layers[group]]
 
-    def _check(self, req_id: str, index: int, block_id: int, block_hash: bytes) -> None:
+    def _write(self, group: int, block_id: int, block_hash: bytes) -> None:
         page = self.shape.layer_page_bytes
-        for layer, tensor in enumerate(self.kv.values()):
-            view = tensor[block_id].view(torch.uint8).view(-1).numpy()
-            if not np.array_equal(view, block_bytes(block_hash + bytes([layer]), page)):
-                self.mismatches.append(f"{req_id}: block {index} (GPU block {block_id}, "
-                                       f"layer {layer}) does not hold its bytes")
+        for layer, view in enumerate(self._pages(group, block_id)):
+            view[:] = block_bytes(block_hash + bytes([group, layer]), page)
+
+    def _check(self, req_id: str, group: int, index: int, block_id: int,
+               block_hash: bytes) -> None:
+        page = self.shape.layer_page_bytes
+        for layer, view in enumerate(self._pages(group, block_id)):
+            if not np.array_equal(view, block_bytes(block_hash + bytes([group, layer]), page)):
+                self.mismatches.append(f"{req_id}: group {group} block {index} (GPU block "
+                                       f"{block_id}, layer {layer}) does not hold its bytes")
                 return
 
     # -- results -------------------------------------------------------------------------

@@ -87,8 +87,13 @@ def vllm_hits(
     manager = CPUOffloadingManager(
         num_chunks=capacity, cache_policy=cache_policy, cache_policy_module_path=module_path
     )
+    policy = getattr(manager, "_policy", None)
+    now = 0.0
+    if policy is not None and hasattr(policy, "clock"):
+        policy.clock = lambda: now  # the trace's clock, as `tierkv replay` uses it
     hits = total = 0
     for serial, request in enumerate(requests):
+        now = request.timestamp_ms / 1000.0
         hits += serve_request(manager, request, f"req-{serial}")
         total += len(request.hash_ids)
     return hits, total

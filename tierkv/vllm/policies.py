@@ -43,7 +43,8 @@ All methods run on the scheduler thread that drives the manager, under its lock.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 try:
@@ -57,6 +58,7 @@ except ImportError as e:  # vLLM absent, or not the 0.33 API these classes imple
     ) from e
 
 from tierkv.core.policies import CachePolicy, known_policies, make_policy
+from tierkv.core.policies.hints import hints_from_kv_hints
 
 #: The prefix of every policy class name this module offers.
 CLASS_PREFIX = "Tierkv"
@@ -100,6 +102,9 @@ class TierkvPolicy(VllmCachePolicy):
     """
 
     policy_name: ClassVar[str]
+    # Seconds on a monotonic clock, for policies that learn from time (hitdensity);
+    # a replay sets the trace's own clock here.
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, cache_capacity: int) -> None:
         if not hasattr(self, "policy_name"):  # eviction_policy named the base class
@@ -110,6 +115,7 @@ class TierkvPolicy(VllmCachePolicy):
         # answer for chunks still being written too (vLLM's HIT_PENDING).
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._policy: CachePolicy = make_policy(self.policy_name, cache_capacity)
+        self._noted: set[str] = set()  # requests the policy was told of, until they end
 
     @property
     def tierkv_policy(self) -> CachePolicy:
@@ -148,6 +154,14 @@ class TierkvPolicy(VllmCachePolicy):
         Keys are put in prefix order when the request knows their positions.
         """
         ordered = order_request_keys([list(keys)], req_context)
+        # The request's whole chain and hints, before its uses (as `tierkv replay`
+        # tells the policy); a policy that does not use them ignores them.
+        if req_context.req_id not in self._noted:
+            self._noted.add(req_context.req_id)
+            chain = order_request_keys([list(_known_keys(req_context) or ordered)],
+                                       req_context)
+            self._policy.note_request(req_context.req_id, chain,
+                                      hints_from_kv_hints(req_context.kv_hints), self.clock())
         chunks = self._chunks
         loaded = [k for k in ordered if (c := chunks.get(k)) is not None and c.ref_cnt > 0]
         if loaded:
@@ -160,8 +174,9 @@ class TierkvPolicy(VllmCachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        """Nothing left to apply: uses were taken at load, inserts at store."""
-        return
+        """The request's end (uses were taken at load, inserts at store)."""
+        self._noted.discard(req_context.req_id)
+        self._policy.note_finish(req_context.req_id, self.clock())
 
     def evict(
         self, n: int, protected: set[OffloadKey]
@@ -182,6 +197,7 @@ class TierkvPolicy(VllmCachePolicy):
         """Drop every chunk and start a fresh tierkv policy: ghosts and the
         adaptive target go too, as vLLM's contract asks."""
         self._chunks.clear()
+        self._noted.clear()
         self._policy = make_policy(self.policy_name, self.cache_capacity)
 
     def _touch_ready(self, keys: Iterable[OffloadKey]) -> None:
@@ -212,9 +228,21 @@ class TierkvHistARC(TierkvPolicy):
     policy_name = "histarc"
 
 
+class TierkvHitDensity(TierkvPolicy):
+    """tierkv's hitdensity (`tierkv.core.policies.density`, tierkv's default): hit
+    density per class of block, and the request's hints (vLLM's `kv_hints`)."""
+
+    policy_name = "hitdensity"
+
+
 _CLASSES: dict[str, type[TierkvPolicy]] = {
-    cls.policy_name: cls for cls in (TierkvLRU, TierkvARC, TierkvHistARC)
+    cls.policy_name: cls for cls in (TierkvLRU, TierkvARC, TierkvHistARC, TierkvHitDensity)
 }
+
+
+def _known_keys(req_context: ReqContext) -> list[OffloadKey]:
+    """Every key vLLM has made for the request so far (it records their positions)."""
+    return list(getattr(req_context, "_offload_key_positions", {}))
 
 
 def _normal(name: str) -> str:
