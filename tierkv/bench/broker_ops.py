@@ -38,7 +38,7 @@ from tierkv.client import Client
 from tierkv.core.primary import PrimaryTier
 from tierkv.core.tiering import TieringManager
 from tierkv.engine import KVCache, KVLayout, allocate_kv_cache
-from tierkv.node.config import Config, config_from_dict
+from tierkv.node.config import Config, CpuConfig, config_from_dict
 from tierkv.node.supervisor import Node
 from tierkv.wire.protocol import encode
 
@@ -126,7 +126,8 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     hot = [key(i) for i in range(KEYS_PER_REQUEST)]
     store = client.store(hot, list(range(KEYS_PER_REQUEST)))
     _wait(client, {store.job_id})
-    manager = TieringManager(PrimaryTier(4096))
+    # The node's default policy on both sides (what a user of either gets).
+    manager = TieringManager(PrimaryTier(4096, CpuConfig().policy))
     out = manager.prepare_store(hot)
     assert out is not None
     manager.complete_store(out.keys_to_store)
