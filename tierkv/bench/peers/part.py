@@ -12,7 +12,7 @@ Sections, in order (each checks the part's budget before it starts):
    drives it (`drivers.common.manager_requests`: 5000 requests x 64 keys, 16k
    blocks).
 4. policies: hit ratios on the same traces (the Mooncake conversation trace and
-   `tierkv.bench.workload`'s presets), the three drivers replaying at the same time
+   `tierkv.workloads.synthetic`'s presets), the three drivers replaying at the same time
    (a hit ratio does not depend on speed).
 5. cpu: LMCache's CPU backend store/retrieve beside tierkv's CPU tier.
 6. bound: disk use after storing 3x the configured bound.

@@ -104,7 +104,7 @@ def _trace_files(s: Session) -> list[tuple[str, Path, tuple[int, ...]]]:
     """(name, Mooncake-format file, capacities): the conversation trace when
     present, then the synthetic presets written out as traces."""
     from tierkv.bench.policy_speed import DEFAULT_TRACE
-    from tierkv.bench.workload import PRESETS, generate_workload
+    from tierkv.workloads.synthetic import PRESETS, generate_workload
 
     quick = s.opts.quick
     out: list[tuple[str, Path, tuple[int, ...]]] = []

@@ -202,7 +202,7 @@ class Driver:
 
     def hit_ratio(self, trace: str, capacity: int, policy: str) -> dict[str, Any]:
         from tierkv.bench.replay import replay
-        from tierkv.bench.traces import read_trace
+        from tierkv.workloads.traces import read_trace
 
         result = replay(read_trace(trace), capacity, policy)
         return {"hits": result.hit_blocks, "total": result.total_blocks,
