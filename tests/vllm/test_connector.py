@@ -35,6 +35,16 @@ def run_round(engine: Engine, docs: list[list[int]], tag: int) -> None:
     engine.run()
 
 
+def serve_rounds(engine: Engine, docs: list[list[int]], rounds: int = 3) -> Engine:
+    """Every document `rounds` times, then the engine closed; returns it to check."""
+    try:
+        for tag in range(rounds):
+            run_round(engine, docs, tag)
+    finally:
+        engine.close()
+    return engine
+
+
 def node_stats(node) -> dict:
     with Client.from_config(node.config) as c:
         return c.stats()
@@ -44,13 +54,8 @@ def test_kv_is_stored_evicted_to_disk_promoted_and_loaded_back_byte_exact(start_
     # 8 documents x 12 blocks = 96 blocks: more than the GPU (48) and the CPU tier
     # (32) hold, so later rounds are served by the CPU tier and by promotions from disk.
     node = start_node(cpu_blocks=32)
-    engine = Engine(SHAPE, extra_config(node))
-    try:
-        docs = documents(8)
-        for tag in range(3):
-            run_round(engine, docs, tag)
-    finally:
-        engine.close()
+    engine = serve_rounds(Engine(SHAPE, extra_config(node)),
+                          documents(8))
     assert engine.mismatches == []
     assert engine.tokens["external_hits"] >= 4 * DOC_BLOCKS * SHAPE.block_size
     stats = node_stats(node)
@@ -145,13 +150,8 @@ def test_chunks_of_two_gpu_blocks_are_stored_and_loaded_byte_exact(start_node):
     """vLLM's `block_size` of 32 tokens: an offloaded chunk is two 16-token GPU blocks,
     two tierkv blocks; partial chunks at a request's edges are skipped or split."""
     node = start_node(cpu_blocks=64)
-    engine = Engine(SHAPE, extra_config(node, block_size=2 * SHAPE.block_size))
-    try:
-        docs = documents(6)
-        for tag in range(3):
-            run_round(engine, docs, tag)
-    finally:
-        engine.close()
+    engine = serve_rounds(Engine(SHAPE, extra_config(node, block_size=2 * SHAPE.block_size)),
+                          documents(6))
     assert engine.mismatches == []
     assert engine.tokens["external_hits"] >= 2 * DOC_BLOCKS * SHAPE.block_size
 
@@ -179,12 +179,7 @@ def test_a_hybrid_model_offloads_both_kv_cache_groups(start_node):
     and every block of both groups is checked."""
     shape = replace(SHAPE, gpu_blocks=64, sliding_window=4 * SHAPE.block_size)
     node = start_node(cpu_blocks=64)
-    engine = Engine(shape, extra_config(node))
-    try:
-        docs = documents(6)
-        for tag in range(3):
-            run_round(engine, docs, tag)
-    finally:
-        engine.close()
+    engine = serve_rounds(Engine(shape, extra_config(node)),
+                          documents(6))
     assert engine.mismatches == []
     assert engine.tokens["external_hits"] >= 4 * DOC_BLOCKS * SHAPE.block_size
