@@ -114,6 +114,18 @@ def wait_for(client: Client, job_ids: set[int], timeout: float = 10.0) -> dict[i
     return done
 
 
+def store_when_room(client: Client, keys: list[bytes], gpu_block_ids: list[int],
+                    req_id: str | None = None, timeout: float = 10.0) -> Any:
+    """Store, asking again while the broker refuses for want of room: blocks still
+    being copied to a secondary tier are busy, and a refused store is all or nothing."""
+    return step_until(client, lambda: _accepted(client.store(keys, gpu_block_ids, req_id)),
+                      timeout)
+
+
+def _accepted(store: Any) -> Any:
+    return None if store.refused else store
+
+
 def step_until(client: Client, predicate: Callable[[], Any], timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.cluster import keys, step_until, wait_for
+from tests.integration.cluster import keys, step_until, store_when_room, wait_for
 from tierkv.core.blockformat import CorruptBlock, unpack_header
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.node.config import ConfigError
@@ -67,11 +67,11 @@ def test_disk_round_trip_corruption_and_tier_restart(make_cluster, tmp_path):
     c = cluster.client()
     first, second = keys(*range(8)), keys(*range(100, 108))
     cluster.fill(first, list(range(8)))
-    wait_for(c, {c.store(first, list(range(8))).job_id})
+    wait_for(c, {store_when_room(c, first, list(range(8))).job_id})
     step_until(c, lambda: tier_blocks(c) == 8)
     # Evict `first` from the CPU tier; only the disk holds it now.
     cluster.fill(second, list(range(8, 16)))
-    wait_for(c, {c.store(second, list(range(8, 16))).job_id})
+    wait_for(c, {store_when_room(c, second, list(range(8, 16))).job_id})
     assert c.lookup(first[:1], "r").hits == 0  # (a lookup starts promotions of what it scans)
 
     # Promote from disk, load into other GPU blocks: the same bytes.

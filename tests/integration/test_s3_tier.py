@@ -25,7 +25,15 @@ import pytest
 from botocore.config import Config as BotoConfig
 
 from tests.conftest import new_instance
-from tests.integration.cluster import Cluster, keys, leftovers, make_config, step_until, wait_for
+from tests.integration.cluster import (
+    Cluster,
+    keys,
+    leftovers,
+    make_config,
+    step_until,
+    store_when_room,
+    wait_for,
+)
 from tests.tiers.fixtures_s3 import (  # noqa: F401 - fixtures
     TEST_ENV,
     FlakyEndpoint,
@@ -64,7 +72,7 @@ def cascade(cluster: Cluster, c: Any, block_keys: list[bytes], gpu_blocks: list[
     """Store into the CPU tier and wait until the s3 tier holds the blocks too."""
     before = tier_stats(c)["stores"]
     cluster.fill(block_keys, gpu_blocks)
-    store = c.store(block_keys, gpu_blocks, req_id="w")
+    store = store_when_room(c, block_keys, gpu_blocks, req_id="w")
     assert wait_for(c, {store.job_id})[store.job_id].success
     step_until(c, lambda: tier_stats(c)["stores"] >= before + len(block_keys), timeout=15)
 
