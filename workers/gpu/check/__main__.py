@@ -67,9 +67,9 @@ def cpu_round_trip() -> None:
         before = [t.clone() for t in cache.tensors]
         gpu, cpu = rng.permutation(32)[:20].tolist(), rng.permutation(24)[:20].tolist()
         engine.submit(TransferJob(1, "store", gpu, cpu))
-        for t in cache.tensors:
-            t.zero_()
         assert [o.success for o in engine.wait(30)] == [True]
+        for t in cache.tensors:  # only once the store is done: it copies asynchronously
+            t.zero_()
         engine.submit(TransferJob(2, "load", gpu, cpu))
         assert [o.success for o in engine.wait(30)] == [True]
         for b, t in zip(before, cache.tensors, strict=True):
