@@ -9,6 +9,7 @@ wrong bytes — from the CPU tier, or promoted back from disk — fails these te
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,12 +81,11 @@ def test_the_byte_check_catches_a_corrupted_cpu_tier(start_node, instance):
     assert engine.mismatches
 
 
-def test_two_engines_share_one_node(start_node):
-    """A prefix one engine stored is a hit for another engine on the same node (vLLM's
-    own offloading keeps each engine's CPU cache to itself)."""
-    node = start_node(cpu_blocks=128)
-    first = Engine(SHAPE, extra_config(node), name="a")
-    second = Engine(SHAPE, extra_config(node), name="b")
+def two_engines_one_after_the_other(node: Any, **options: Any) -> tuple[Engine, Engine]:
+    """Two engines on one node, the second serving the documents the first computed;
+    neither ever read a wrong byte."""
+    first = Engine(SHAPE, extra_config(node, **options), name="a")
+    second = Engine(SHAPE, extra_config(node, **options), name="b")
     try:
         docs = documents(4)
         run_round(first, docs, 0)
@@ -94,6 +94,13 @@ def test_two_engines_share_one_node(start_node):
         first.close()
         second.close()
     assert first.mismatches == [] and second.mismatches == []
+    return first, second
+
+
+def test_two_engines_share_one_node(start_node):
+    """A prefix one engine stored is a hit for another engine on the same node (vLLM's
+    own offloading keeps each engine's CPU cache to itself)."""
+    first, second = two_engines_one_after_the_other(start_node(cpu_blocks=128))
     assert first.tokens["external_hits"] == 0
     # Every full block of every document but the GPU-cached tail was served by tierkv.
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
@@ -159,17 +166,8 @@ def test_chunks_of_two_gpu_blocks_are_stored_and_loaded_byte_exact(start_node):
 def test_every_lookup_can_wait_for_the_end_of_step_round_trip(start_node):
     """`sync_lookups` 0: no lookup has a round trip of its own; each request is told
     RETRY once and served from the end-of-step answers."""
-    node = start_node(cpu_blocks=128)
-    first = Engine(SHAPE, extra_config(node, sync_lookups=0), name="a")
-    second = Engine(SHAPE, extra_config(node, sync_lookups=0), name="b")
-    try:
-        docs = documents(4)
-        run_round(first, docs, 0)
-        run_round(second, docs, 1)
-    finally:
-        first.close()
-        second.close()
-    assert first.mismatches == [] and second.mismatches == []
+    first, second = two_engines_one_after_the_other(start_node(cpu_blocks=128),
+                                                    sync_lookups=0)
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
 
 
