@@ -208,3 +208,19 @@ def test_a_lookup_can_pin_its_hits_in_the_same_pass(make_cluster, instance):
     assert c.reserve(keys(20, 21), "w2").ok
     with pytest.raises(ValueError, match="all pin"):
         c.batch().lookup(ks, "a", pin=True).lookup(ks, "b")
+
+
+def test_a_waiting_client_is_answered_when_its_job_finishes_not_at_the_next_tick(make_cluster):
+    """Worker completions used to wait for the broker's next tick (`broker.tick_ms`,
+    5 ms by default) even when a client was blocked in `wait` on them. With a tick
+    of a minute, `wait` would only return after its own request expired."""
+    cluster = make_cluster(broker={"tick_ms": 60_000.0})
+    c = cluster.client()
+    ks = keys(31, 32)
+    cluster.fill(ks, [0, 1])
+    store = c.store(ks, [0, 1])
+    assert c.wait([store.job_id], timeout=5.0)[store.job_id].success
+    assert c.lookup(ks, "r").hits == 2
+    load = c.load(ks, [2, 3], "r")
+    assert c.wait([load.job_id], timeout=5.0)[load.job_id].success
+    assert cluster.holds(ks, [2, 3])

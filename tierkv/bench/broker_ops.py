@@ -179,6 +179,12 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
                 results["zmq"][0].append(timed(raw, calls["lookup"][2]))
         finally:
             sock.close()
+    # The hits above are leased to their requests: end them, or the leased blocks
+    # stay pinned and a later store of a full tier (data_path) is refused.
+    done = client.batch()
+    for req_id in ["bench", *(f"r{r}" for r in range(REQUESTS_PER_STEP))]:
+        done.finish(req_id)
+    done.send()
     return results
 
 
