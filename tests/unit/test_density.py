@@ -187,3 +187,21 @@ def test_requests_without_note_request_still_learn():
 
     assert prefix_hit_ratio(trace, Bare(cap, "hitdensity")) > lru
     assert prefix_hit_ratio([Request(0.0, 1, 1, (1, 2))], Bare(cap, "hitdensity")) == 0.0
+
+
+@pytest.mark.parametrize("name", ["chat", "agent"])
+def test_a_request_asked_again_is_the_same_request(name):
+    """An engine looks a waiting request up at every step, and the broker tells the
+    policy each time. Noting the same request again once read its own last block as
+    its session's previous turn (one turn more at every ask), which changed the
+    classes of its blocks and so the evictions."""
+    trace = generate_workload(name, 1500, seed=1)
+    cap = 400
+
+    class AskedThrice(PrimaryTier):
+        def note_request(self, req_id, keys, hints, now):  # noqa: ANN001, ANN201
+            for _ in range(3):
+                super().note_request(req_id, keys, hints, now)
+
+    once = prefix_hit_ratio(trace, PrimaryTier(cap, "hitdensity"))
+    assert prefix_hit_ratio(trace, AskedThrice(cap, "hitdensity")) == once

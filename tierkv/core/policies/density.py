@@ -73,6 +73,9 @@ from tierkv.core.policies.hints import RequestHints
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+#: A request as noted: its keys, their context (hint state, session, last key, turn
+#: bucket), its hints and its turn.
+_Noted = tuple[Sequence[K], tuple[int, Any, Any, int], RequestHints | None, int]
 
 # Age bins: two per octave (0, 1, [2,3), [3,4), [4,6), [6,8), ...); 2**32 and up share
 # the last one.
@@ -199,8 +202,7 @@ class HitDensityPolicy(CachePolicy[K, V]):
         self.updates = 0
         # Requests: key -> (hint state, session, last key of the request, turn bucket).
         self._ctx: dict[K, tuple[int, Any, Any, int]] = {}
-        self._reqs: OrderedDict[Hashable, tuple[Sequence[K], tuple[int, Any, Any, int]]] = (
-            OrderedDict())
+        self._reqs: OrderedDict[Hashable, _Noted[K]] = OrderedDict()
         # Sessions seen in the key chains: the last full block of a request ->
         # (session, turn); a request naming it continues that session.
         self._ends: OrderedDict[K, tuple[Any, int]] = OrderedDict()
@@ -541,6 +543,12 @@ class HitDensityPolicy(CachePolicy[K, V]):
         self._tick(now)
         old = self._reqs.pop(req_id, None)
         if old is not None:
+            if old[2] == hints and old[0] == keys:
+                # The same request asked again (an engine looks a waiting request
+                # up every step): as it was. Noted anew, its own last block would
+                # read as its session's previous turn, one turn more each time.
+                self._reqs[req_id] = old
+                return
             self._forget(old)
         if not keys:
             return
@@ -558,6 +566,11 @@ class HitDensityPolicy(CachePolicy[K, V]):
                     state = SOON
                 elif hints.continues or horizon is not None:
                     state = CONT
+        if old is not None and (session is None or turn is None):
+            # The request again, with more keys or other hints: still its turn.
+            _, (_, old_session, _, _), _, old_turn = old
+            session = old_session if session is None else session
+            turn = old_turn if turn is None else turn
         if session is None or turn is None:
             found, found_turn = self._follow(keys)
             if session is None:
@@ -568,7 +581,7 @@ class HitDensityPolicy(CachePolicy[K, V]):
         ctxs = self._ctx
         for key in keys:
             ctxs[key] = ctx
-        self._reqs[req_id] = (keys, ctx)
+        self._reqs[req_id] = (keys, ctx, hints, turn)
         while len(self._reqs) > 4096:  # a manager that never calls note_finish
             self._forget(self._reqs.popitem(last=False)[1])
         if len(keys) > 1:
@@ -651,8 +664,8 @@ class HitDensityPolicy(CachePolicy[K, V]):
         if len(ends) > self._ends_limit:
             ends.popitem(last=False)
 
-    def _forget(self, entry: tuple[Sequence[K], tuple[int, Any, Any, int]]) -> None:
-        keys, ctx = entry
+    def _forget(self, entry: _Noted[K]) -> None:
+        keys, ctx = entry[0], entry[1]
         ctxs = self._ctx
         for key in keys:
             if ctxs.get(key) is ctx:
