@@ -245,7 +245,7 @@ def test_endpoint_down_fails_jobs_in_time_and_the_breaker_recovers(node_a, flaky
         t0 = time.monotonic()
         failed = tier_stats(c)["stores_failed"]
         node_a.fill(keys(61, 62, 63), [1, 2, 3])
-        wait_for(c, {c.store(keys(61, 62, 63), [1, 2, 3]).job_id})
+        wait_for(c, {store_when_room(c, keys(61, 62, 63), [1, 2, 3]).job_id})
         step_until(c, lambda: tier_stats(c)["stores_failed"] >= failed + 3, timeout=10)
         assert time.monotonic() - t0 < node_a.config.broker.job_timeout_s
         step_until(c, lambda: breaker(c)["breaker"] == "open", timeout=5)
