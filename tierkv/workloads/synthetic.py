@@ -53,7 +53,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,12 +210,7 @@ def generate_conversations(
 
     Parameters are those of `WorkloadSpec`, given as keywords or as `spec` (keywords
     override it). Timestamps are in ms at about one request per second."""
-    if n_requests < 0:
-        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
-    spec = spec or WorkloadSpec()
-    if params:
-        spec = _replace(spec, params)
-    return _Generator(spec, random.Random(seed)).run(n_requests)
+    return _Generator(_spec(n_requests, spec or WorkloadSpec(), params), seed).run(n_requests)
 
 
 def generate_workload(name: str, n_requests: int, *, seed: int = 0) -> list[Request]:
@@ -236,10 +231,7 @@ def generate_agents(
 ) -> list[Request]:
     """`n_requests` requests of agent sessions, in arrival order (see the module's doc).
     Parameters are those of `AgentSpec`, as keywords or `spec`."""
-    if n_requests < 0:
-        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
-    spec = _replace(spec or AgentSpec(), params) if params else (spec or AgentSpec())
-    return _AgentGenerator(spec, random.Random(seed)).run(n_requests)
+    return _AgentGenerator(_spec(n_requests, spec or AgentSpec(), params), seed).run(n_requests)
 
 
 def generate_rag(
@@ -247,10 +239,14 @@ def generate_rag(
 ) -> list[Request]:
     """`n_requests` RAG queries, in arrival order (see the module's doc). Parameters
     are those of `RagSpec`, as keywords or `spec`."""
+    return _RagGenerator(_spec(n_requests, spec or RagSpec(), params), seed).run(n_requests)
+
+
+def _spec(n_requests: int, spec: Any, params: dict[str, Any]) -> Any:
+    """`spec` with `params` over it; a negative request count is refused."""
     if n_requests < 0:
         raise ValueError(f"n_requests must be >= 0, got {n_requests}")
-    spec = _replace(spec or RagSpec(), params) if params else (spec or RagSpec())
-    return _RagGenerator(spec, random.Random(seed)).run(n_requests)
+    return _replace(spec, params) if params else spec
 
 
 def _replace(spec: Any, params: dict[str, Any]) -> Any:
@@ -266,17 +262,23 @@ class _PrefixIds:
     """Block ids from a trie: the id of a block is fixed by its parent id and content."""
 
     def __init__(self) -> None:
-        self._ids: dict[tuple[int, Hashable], int] = {}
+        self._ids: dict[Hashable, int] = {}  # (parent id, content) -> id
+        self._addressed: dict[Hashable, int] = {}  # content -> id
         self._next = itertools.count()
 
-    def chain(self, contents: Sequence[Hashable]) -> tuple[int, ...]:
+    def chain(self, contents: Sequence[Hashable],
+              addressed: Callable[[Hashable], bool] | None = None) -> tuple[int, ...]:
+        """The ids of `contents` as one prefix chain; a content for which `addressed`
+        is true keeps one id wherever it appears (content-addressed blocks)."""
         ids = []
         parent = -1
         for content in contents:
-            node = (parent, content)
-            block = self._ids.get(node)
+            table, node = ((self._addressed, content)
+                           if addressed is not None and addressed(content)
+                           else (self._ids, (parent, content)))
+            block = table.get(node)
             if block is None:
-                block = self._ids[node] = next(self._next)
+                block = table[node] = next(self._next)
             ids.append(block)
             parent = block
         return tuple(ids)
@@ -291,28 +293,48 @@ class _Conversation:
     turn: int = 0
 
 
-class _Generator:
-    def __init__(self, spec: WorkloadSpec, rng: random.Random) -> None:
+class _Sessions:
+    """What every generator keeps: its spec, its random stream, the block ids, and
+    the counters of sessions and requests."""
+
+    def __init__(self, spec: Any, seed: int) -> None:
         self.spec = spec
-        self.rng = rng
+        self.rng = random.Random(seed)
         self.ids = _PrefixIds()
-        self.prompt_weights = _zipf_cumulative(spec.system_prompts, spec.zipf)
-        self.doc_weights = _zipf_cumulative(max(spec.documents, 1), spec.zipf)
-        self.doc_lengths = [self._span(spec.document_blocks) for _ in range(spec.documents)]
         self.serials = itertools.count()
         self.requests = itertools.count()
 
-    def run(self, n_requests: int) -> list[Request]:
-        spec, rng = self.spec, self.rng
+    def _span(self, span: Span) -> int:
+        return self.rng.randint(span[0], span[1])
+
+    def _turns(self, mean: float) -> int:
+        """A geometric number of turns with this mean (at least one)."""
+        turns = 1
+        while self.rng.random() > 1.0 / mean:
+            turns += 1
+        return turns
+
+    def _request(self, hash_ids: tuple[int, ...], now: float, max_output: int) -> Request:
+        """The request of these blocks, its last one partly filled."""
+        rng = self.rng
+        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
+        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, max_output),
+                       hash_ids)
+
+    def _sessions_run(self, n_requests: int, sessions: int,
+                      one_off_share: float = 0.0) -> list[Request]:
+        """`sessions` sessions open at once, each replaced when it ends; the one that
+        speaks next is the earliest on the agenda, after a think time of its pace."""
+        rng = self.rng
         # (next turn time, tiebreak, conversation): the conversation that speaks next.
         agenda: list[tuple[float, int, _Conversation]] = []
-        for _ in range(spec.conversations):
+        for _ in range(sessions):
             conv = self._open()
             heapq.heappush(agenda, (rng.expovariate(1.0 / conv.pace), conv.serial, conv))
         out: list[Request] = []
         now = 0.0
         while len(out) < n_requests:
-            if spec.one_off_share and rng.random() < spec.one_off_share:
+            if one_off_share and rng.random() < one_off_share:
                 out.append(self._one_off(now))
                 continue
             now, _, conv = heapq.heappop(agenda)
@@ -323,12 +345,29 @@ class _Generator:
         return out
 
     def _open(self) -> _Conversation:
+        raise NotImplementedError
+
+    def _turn(self, conv: _Conversation, now: float) -> Request:
+        raise NotImplementedError
+
+    def _one_off(self, now: float) -> Request:
+        raise NotImplementedError
+
+
+class _Generator(_Sessions):
+    def __init__(self, spec: WorkloadSpec, seed: int) -> None:
+        super().__init__(spec, seed)
+        self.prompt_weights = _zipf_cumulative(spec.system_prompts, spec.zipf)
+        self.doc_weights = _zipf_cumulative(max(spec.documents, 1), spec.zipf)
+        self.doc_lengths = [self._span(spec.document_blocks) for _ in range(spec.documents)]
+
+    def run(self, n_requests: int) -> list[Request]:
+        return self._sessions_run(n_requests, self.spec.conversations, self.spec.one_off_share)
+
+    def _open(self) -> _Conversation:
         spec, rng = self.spec, self.rng
         serial = next(self.serials)
-        # Geometric number of turns with the requested mean (at least one).
-        turns = 1
-        while rng.random() > 1.0 / spec.turns:
-            turns += 1
+        turns = self._turns(spec.turns)
         # Think times vary per conversation; the mean gap between two turns of one
         # conversation is about `conversations` request slots.
         pace = spec.conversations * rng.lognormvariate(0.0, spec.pace_spread) / _lognormal_mean(
@@ -351,22 +390,12 @@ class _Generator:
         conv.history = conv.history + message + answer
         conv.turn += 1
         conv.turns_left -= 1
-        return self._request(contents, now)
+        return self._request(self.ids.chain(contents), now, 1024)
 
     def _one_off(self, now: float) -> Request:
         serial = next(self.requests)
         contents = [("once", serial, i) for i in range(self._span(self.spec.one_off_blocks))]
-        return self._request(contents, now)
-
-    def _request(self, contents: Sequence[Hashable], now: float) -> Request:
-        rng = self.rng
-        hash_ids = self.ids.chain(contents)
-        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
-        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, 1024),
-                       hash_ids)
-
-    def _span(self, span: Span) -> int:
-        return self.rng.randint(span[0], span[1])
+        return self._request(self.ids.chain(contents), now, 1024)
 
 
 def _zipf_cumulative(n: int, s: float) -> list[float]:
@@ -381,17 +410,13 @@ def _lognormal_mean(sigma: float) -> float:
     return math.exp(sigma * sigma / 2.0)
 
 
-class _AgentGenerator:
+class _AgentGenerator(_Sessions):
     """Agent sessions on a real-time clock (seconds)."""
 
-    def __init__(self, spec: AgentSpec, rng: random.Random) -> None:
-        self.spec = spec
-        self.rng = rng
-        self.ids = _PrefixIds()
+    def __init__(self, spec: AgentSpec, seed: int) -> None:
+        super().__init__(spec, seed)
         self.type_weights = _zipf_cumulative(spec.agent_types, spec.zipf)
         self.prompt_lengths = [self._span(spec.prompt_blocks) for _ in range(spec.agent_types)]
-        self.serials = itertools.count()
-        self.requests = itertools.count()
         # Little's law: sessions last about steps * (decode + tool) seconds.
         tool_mean = spec.tool_seconds * _lognormal_mean(spec.tool_spread)
         self.open_rate = spec.agents / (spec.steps * (spec.decode_seconds + tool_mean))
@@ -422,10 +447,7 @@ class _AgentGenerator:
     def _open(self) -> _Conversation:
         spec, rng = self.spec, self.rng
         serial = next(self.serials)
-        steps = 1
-        while rng.random() > 1.0 / spec.steps:
-            steps += 1
-        conv = _Conversation(serial, steps, 0.0)
+        conv = _Conversation(serial, self._turns(spec.steps), 0.0)
         kind = _draw(rng, self.type_weights)
         conv.history = [("agent", kind, i) for i in range(self.prompt_lengths[kind])]
         conv.history += [("task", serial, i) for i in range(self._span(spec.task_blocks))]
@@ -441,50 +463,25 @@ class _AgentGenerator:
         conv.history = conv.history + call + result
         conv.turn += 1
         conv.turns_left -= 1
-        hash_ids = self.ids.chain(contents)
-        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
-        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, 512),
-                       hash_ids)
-
-    def _span(self, span: Span) -> int:
-        return self.rng.randint(span[0], span[1])
+        return self._request(self.ids.chain(contents), now, 512)
 
 
-class _RagGenerator:
+class _RagGenerator(_Sessions):
     """RAG sessions: shared prompt, retrieved passages, questions (request slots)."""
 
-    def __init__(self, spec: RagSpec, rng: random.Random) -> None:
-        self.spec = spec
-        self.rng = rng
-        self.ids = _PrefixIds()
+    def __init__(self, spec: RagSpec, seed: int) -> None:
+        super().__init__(spec, seed)
         self.prompt_weights = _zipf_cumulative(spec.system_prompts, 1.0)
         self.doc_weights = _zipf_cumulative(spec.documents, spec.zipf)
         self.doc_lengths = [self._span(spec.chunk_blocks) for _ in range(spec.documents)]
-        self.content_ids: dict[Hashable, int] = {}
-        self.serials = itertools.count()
-        self.requests = itertools.count()
 
     def run(self, n_requests: int) -> list[Request]:
-        spec, rng = self.spec, self.rng
-        agenda: list[tuple[float, int, _Conversation]] = []
-        for _ in range(spec.sessions):
-            conv = self._open()
-            heapq.heappush(agenda, (rng.expovariate(1.0 / conv.pace), conv.serial, conv))
-        out: list[Request] = []
-        while len(out) < n_requests:
-            now, _, conv = heapq.heappop(agenda)
-            out.append(self._turn(conv, now))
-            if conv.turns_left == 0:
-                conv = self._open()
-            heapq.heappush(agenda, (now + rng.expovariate(1.0 / conv.pace), conv.serial, conv))
-        return out
+        return self._sessions_run(n_requests, self.spec.sessions)
 
     def _open(self) -> _Conversation:
         spec, rng = self.spec, self.rng
         serial = next(self.serials)
-        turns = 1
-        while rng.random() > 1.0 / spec.turns:
-            turns += 1
+        turns = self._turns(spec.turns)
         conv = _Conversation(serial, turns, spec.sessions * rng.lognormvariate(0.0, 1.0)
                              / _lognormal_mean(1.0))
         prompt = _draw(rng, self.prompt_weights)
@@ -502,7 +499,7 @@ class _RagGenerator:
         return conv
 
     def _turn(self, conv: _Conversation, now: float) -> Request:
-        spec, rng = self.spec, self.rng
+        spec = self.spec
         question = [("q", conv.serial, conv.turn, i)
                     for i in range(self._span(spec.question_blocks))]
         contents = conv.history + question + [("tail", next(self.requests))]
@@ -510,32 +507,10 @@ class _RagGenerator:
         conv.history = conv.history + question + answer
         conv.turn += 1
         conv.turns_left -= 1
-        if spec.ids == "content":
-            hash_ids = self._content_chain(contents)
-        else:
-            hash_ids = self.ids.chain(contents)
-        input_length = len(hash_ids) * MOONCAKE_BLOCK_TOKENS - rng.randrange(MOONCAKE_BLOCK_TOKENS)
-        return Request(round(now * 1000.0, 3), max(input_length, 1), rng.randint(16, 512),
-                       hash_ids)
+        # Content ids: passage and prompt blocks keep one id wherever they appear.
+        addressed = _passage_or_prompt if spec.ids == "content" else None
+        return self._request(self.ids.chain(contents, addressed), now, 512)
 
-    def _content_chain(self, contents: Sequence[Hashable]) -> tuple[int, ...]:
-        """Passage and prompt blocks keep one id wherever they appear; the rest of
-        the request is chained behind its prefix as usual."""
-        ids = []
-        parent = -1
-        for content in contents:
-            if isinstance(content, tuple) and content[0] in ("doc", "sys"):
-                block = self.content_ids.get(content)
-                if block is None:
-                    block = self.content_ids[content] = next(self.ids._next)
-            else:
-                node = (parent, content)
-                block = self.ids._ids.get(node)
-                if block is None:
-                    block = self.ids._ids[node] = next(self.ids._next)
-            ids.append(block)
-            parent = block
-        return tuple(ids)
 
-    def _span(self, span: Span) -> int:
-        return self.rng.randint(span[0], span[1])
+def _passage_or_prompt(content: Hashable) -> bool:
+    return isinstance(content, tuple) and content[0] in ("doc", "sys")
