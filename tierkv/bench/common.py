@@ -12,8 +12,10 @@ medians, and says so (`paired` false).
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -310,3 +312,15 @@ def machine_info() -> dict[str, Any]:
         info["torch"] = torch.__version__
         info["cuda"] = (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     return info
+
+
+def parse_size(text: str) -> int:
+    """A size as given on a command line: 4096, 256K, 2M, 1G."""
+    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip().upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}")
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
+
+
+def human(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierkv.bench.common import Options, Part, Row, Stat
+from tierkv.bench.common import Options, Part, Row, Stat, human, parse_size
 
 THREADS = 8  # the tier's I/O threads (its default)
 # The rows of bench_disk that are headlines here, and the dd row each is also
@@ -52,8 +52,8 @@ def run(part: Part, opts: Options) -> None:
         part.note(f"in {work} ({disk_io.fs_type(work)}), {total >> 20} MiB per pass, "
                   f"{THREADS} tier threads, {repeat} rounds")
         for text in sizes:
-            size = disk_io.parse_size(text)
-            label = disk_io.human(size)
+            size = parse_size(text)
+            label = human(size)
             if part.over_budget(f"{label} blocks"):
                 break
             rows, methods = disk_io.measure_size(work, size, total, THREADS, repeat, True,

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import xxhash
 
+from tierkv.bench.common import human, parse_size
 from tierkv.core.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.runner import JobRunner
@@ -53,17 +54,6 @@ class Row:
     samples: list[float] = field(default_factory=list)  # GB/s, one per round
     ratios: list[float] = field(default_factory=list)  # to the baseline, one per round
     baseline: str = ""  # the `what` of the row this one is a ratio of
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip().upper())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
-
-
-def human(size: int) -> str:
-    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
 def fs_type(path: Path) -> str:

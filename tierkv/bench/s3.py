@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tierkv.bench.common import Options, Part, Row, Stat
+from tierkv.bench.common import Options, Part, Row, Stat, human, parse_size
 
 THREADS = 8
 
@@ -63,8 +63,8 @@ def run(part: Part, opts: Options) -> None:
         part.note(f"{where} {url}; {total >> 20} MiB per method, size and repeat; "
                   f"{os.cpu_count()} cores shared by client and server")
         for text in sizes:
-            size = s3_io.parse_size(text)
-            label = s3_io.human(size)
+            size = parse_size(text)
+            label = human(size)
             if part.over_budget(f"{label} objects"):
                 break
             rows = s3_io.run(url, [size], total, THREADS, repeat, part.budget.deadline())

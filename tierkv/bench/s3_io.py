@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.bench.common import human, parse_size  # noqa: E402
 from tierkv.core.shm import SharedRegion  # noqa: E402
 from tierkv.node.s3server import S3Server  # noqa: E402
 from tierkv.tiers.base import Job, JobKind  # noqa: E402
@@ -55,17 +55,6 @@ class Row:
     # transfer manager's, measured in the same repeat.
     vs_naive: list[float] = field(default_factory=list)
     vs_boto3: list[float] = field(default_factory=list)
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip().upper())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
-
-
-def human(size: int) -> str:
-    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
 def timed(fn: Callable[[str], Any], tag: str) -> float:

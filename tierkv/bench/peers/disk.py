@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv.bench.common import human
 from tierkv.bench.peers.procs import DriverError
 from tierkv.bench.peers.rows import HIGHER, LOWER
 from tierkv.bench.peers.session import (
@@ -25,7 +26,6 @@ from tierkv.bench.peers.session import (
     Session,
     comparison,
     disk_systems,
-    human,
     result,
 )
 

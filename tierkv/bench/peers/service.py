@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierkv.bench.common import human
 from tierkv.bench.peers.procs import DriverError
 from tierkv.bench.peers.rows import HIGHER
 from tierkv.bench.peers.session import (
@@ -22,7 +23,6 @@ from tierkv.bench.peers.session import (
     OP_TIMEOUT_S,
     Session,
     comparison,
-    human,
     result,
 )
 

@@ -43,10 +43,6 @@ def disk_systems(versions: dict[str, str]) -> list[DiskSystem]:
     ]
 
 
-def human(size: int) -> str:
-    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
-
-
 @dataclass
 class Session:
     """The run's drivers (started on first use), its scratch directory and record."""
