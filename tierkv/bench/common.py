@@ -18,6 +18,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -324,3 +325,11 @@ def parse_size(text: str) -> int:
 
 def human(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+@contextmanager
+def work_dir(parent: Path, prefix: str = "tierkv-bench-") -> Iterator[Path]:
+    """A fresh directory under `parent` (on the filesystem to measure), removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent,
+                                     ignore_cleanup_errors=True) as work:
+        yield Path(work)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierkv.bench.common import Options, Part, Row, Stat, human, parse_size
+from tierkv.bench.common import Options, Part, Row, Stat, human, parse_size, work_dir
 
 THREADS = 8  # the tier's I/O threads (its default)
 # The rows of bench_disk that are headlines here, and the dd row each is also
@@ -48,7 +48,7 @@ def run(part: Part, opts: Options) -> None:
     total = (16 if opts.quick else 256) << 20
     sizes = ["256K"] if opts.quick else ["256K", "2M"]
     how: set[str] = set()
-    with disk_io.work_dir(opts.disk_dir) as work:
+    with work_dir(opts.disk_dir) as work:
         part.note(f"in {work} ({disk_io.fs_type(work)}), {total >> 20} MiB per pass, "
                   f"{THREADS} tier threads, {repeat} rounds")
         for text in sizes:

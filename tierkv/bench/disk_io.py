@@ -24,17 +24,15 @@ import re
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from tierkv.bench.common import human, parse_size
+from tierkv.bench.common import human, parse_size, work_dir
 from tierkv.core.shm import SharedRegion
 from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.runner import JobRunner
@@ -292,15 +290,6 @@ def run_dd(path: Path, size: int, count: int, how: list[str]) -> list[Row]:
     path.unlink()
     return rows
 
-
-@contextmanager
-def work_dir(parent: Path) -> Iterator[Path]:
-    """A fresh directory under `parent` (on the filesystem to measure), removed after."""
-    work = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=parent))
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure_size(work: Path, size: int, total: int, threads: int, repeat: int, dd: bool,

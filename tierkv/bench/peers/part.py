@@ -27,13 +27,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from tierkv.bench.common import Options, Part
+from tierkv.bench.common import Options, Part, work_dir
 from tierkv.bench.peers import env as peer_env
 from tierkv.bench.peers.disk import run_bound, run_disk, run_integrity
 from tierkv.bench.peers.rows import comparison_rows, policy_table
@@ -46,15 +44,6 @@ SECTIONS: list[tuple[str, Callable[[Session], None]]] = [
     ("disk", run_disk), ("integrity", run_integrity), ("manager", run_manager),
     ("policies", run_policies), ("cpu", run_cpu), ("bound", run_bound),
 ]
-
-
-@contextmanager
-def _scratch(parent: Path) -> Iterator[Path]:
-    work = Path(tempfile.mkdtemp(prefix="tierkv-peers-", dir=parent))
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_part(part: Part, opts: Options) -> None:
@@ -72,7 +61,7 @@ def run_part(part: Part, opts: Options) -> None:
         part.note(f"{peer}: " + (env.versions.get(peer) or f"skipped: {env.skipped[peer]}"))
     logs = env.root / "logs"
     shutil.rmtree(logs, ignore_errors=True)
-    with _scratch(opts.disk_dir) as work:
+    with work_dir(opts.disk_dir, "tierkv-peers-") as work:
         session = Session(part, opts, env, work, logs)
         try:
             for name, section in SECTIONS:
