@@ -10,7 +10,7 @@ from tierkv.core.policies import RequestHints
 from tierkv.core.policies.density import NBINS, HitDensityPolicy, age_bin, age_bins, densities
 from tierkv.core.primary import PrimaryTier
 from tierkv.workloads.synthetic import generate_workload
-from tierkv.workloads.traces import Request, prefix_hit_ratio
+from tierkv.workloads.traces import Request, prefix_hit_ratio, serve_request
 
 
 def key(i: int) -> bytes:
@@ -52,16 +52,7 @@ def chain(*ids: int) -> list[bytes]:
 def run(tier: PrimaryTier, keys: list[bytes], req: int, hints: RequestHints | None = None,
         now: float = 0.0) -> int:
     """One request as the replay does it: note, lookup, load, store, finish."""
-    tier.note_request(req, keys, hints, now)
-    n = tier.lookup(keys)
-    if n:
-        tier.prepare_load(keys[:n])
-        tier.complete_load(keys[:n])
-    out = tier.prepare_store(keys)
-    if out is not None and out.keys_to_store:
-        tier.complete_store(out.keys_to_store)
-    tier.note_finish(req, now)
-    return n
+    return serve_request(tier, keys, req, hints, now)
 
 
 def test_a_shared_prompt_survives_finished_sessions():

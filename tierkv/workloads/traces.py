@@ -117,20 +117,29 @@ def prefix_hit_ratio(
         now = request.timestamp_ms / 1000.0
         if chains is not None:
             tier.note_queue(chains[i + 1:i + 1 + queue], now)
-        if noted:
-            tier.note_request(i, keys, hints[i] if hints is not None else None, now)
-        n = tier.lookup(keys)
-        if n:
-            tier.prepare_load(keys[:n])
-            tier.complete_load(keys[:n])
-        out = tier.prepare_store(keys)
-        if out is not None and out.keys_to_store:
-            tier.complete_store(out.keys_to_store)
-        if noted:
-            tier.note_finish(i, now)
-        hits += n
+        hits += serve_request(tier, keys, i, hints[i] if hints is not None else None, now,
+                              noted)
         total += len(keys)
     return hits / total if total else 0.0
+
+
+def serve_request(tier, keys: list[bytes], req_id: int, hints: Any, now: float,  # noqa: ANN001
+                  noted: bool = True) -> int:
+    """One request as an engine serves it: the tier is told of it (if `noted`), its
+    leading hits are loaded (a use), all its blocks stored, and it finishes. Returns
+    the hits."""
+    if noted:
+        tier.note_request(req_id, keys, hints, now)
+    n: int = tier.lookup(keys)
+    if n:
+        tier.prepare_load(keys[:n])
+        tier.complete_load(keys[:n])
+    out = tier.prepare_store(keys)
+    if out is not None and out.keys_to_store:
+        tier.complete_store(out.keys_to_store)
+    if noted:
+        tier.note_finish(req_id, now)
+    return n
 
 
 @dataclass(frozen=True, slots=True)
