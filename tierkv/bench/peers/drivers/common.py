@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,35 @@ KEY_BYTES = 16
 
 class Unsupported(Exception):
     """This system has no such feature (the row says so; it is not a failure)."""
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Closable)
+
+
+class StoreDriver(Generic[S]):
+    """A driver's one open store, from `disk_open` to `disk_close`."""
+
+    def __init__(self) -> None:
+        self.store: S | None = None
+
+    def _need(self) -> S:
+        if self.store is None:
+            raise RuntimeError("no store is open (disk_open first)")
+        return self.store
+
+    def _open(self, store: S) -> S:
+        self.disk_close()
+        self.store = store
+        return store
+
+    def disk_close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
 
 # -- the protocol -----------------------------------------------------------------------

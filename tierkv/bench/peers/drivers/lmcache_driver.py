@@ -30,6 +30,7 @@ import numpy as np
 
 from tierkv.bench.peers.drivers.common import (
     MODES,
+    StoreDriver,
     Unsupported,
     base_block,
     block_intact,
@@ -149,27 +150,13 @@ class Store:
         self.manager.close()
 
 
-class Driver:
-    def __init__(self) -> None:
-        self.store: Store | None = None
-
-    def _need(self) -> Store:
-        if self.store is None:
-            raise RuntimeError("no store is open (disk_open first)")
-        return self.store
-
+class Driver(StoreDriver[Store]):
     def disk_open(self, system: str, dir: str, block_bytes: int, capacity_blocks: int,
                   pool_blocks: int, durable: bool = True) -> dict[str, Any]:
         """`durable` is tierkv's option; this peer never syncs (the synced variant
         adds `sync_files` to `disk_store`). The bound: `capacity_blocks` blocks' bytes."""
-        self.disk_close()
-        self.store = Store(system, dir, block_bytes, capacity_blocks, pool_blocks)
-        return {"settings": f"{self.store.location}, LMCache defaults"}
-
-    def disk_close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        store = self._open(Store(system, dir, block_bytes, capacity_blocks, pool_blocks))
+        return {"settings": f"{store.location}, LMCache defaults"}
 
     def disk_store(self, tag: str, count: int, seed: int, first: int = 0,
                    sync: bool = False) -> dict[str, Any]:

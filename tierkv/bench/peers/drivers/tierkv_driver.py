@@ -31,6 +31,7 @@ import numpy as np
 
 from tierkv.bench.peers.drivers.common import (
     MODES,
+    StoreDriver,
     Unsupported,
     base_block,
     corrupt,
@@ -105,28 +106,14 @@ class DiskTier:
         self.region.unlink()
 
 
-class Driver:
-    def __init__(self) -> None:
-        self.disk: DiskTier | None = None
-
-    def _need(self) -> DiskTier:
-        if self.disk is None:
-            raise RuntimeError("no store is open (disk_open first)")
-        return self.disk
-
+class Driver(StoreDriver[DiskTier]):
     def disk_open(self, system: str, dir: str, block_bytes: int, capacity_blocks: int,
                   pool_blocks: int, durable: bool = True) -> dict[str, Any]:
         if system != "disk":
             raise Unsupported(f"tierkv has no disk system {system!r}")
-        self.disk_close()
-        self.disk = DiskTier(dir, block_bytes, capacity_blocks, pool_blocks, durable)
+        disk = self._open(DiskTier(dir, block_bytes, capacity_blocks, pool_blocks, durable))
         return {"settings": f"disk tier, {THREADS} threads, durable={durable}",
-                "o_direct": self.disk.backend.direct}
-
-    def disk_close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+                "o_direct": disk.backend.direct}
 
     def disk_store(self, tag: str, count: int, seed: int, first: int = 0,
                    sync: bool = False) -> dict[str, Any]:

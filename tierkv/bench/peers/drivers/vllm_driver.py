@@ -39,6 +39,7 @@ import numpy as np
 
 from tierkv.bench.peers.drivers.common import (
     MODES,
+    StoreDriver,
     Unsupported,
     base_block,
     block_intact,
@@ -152,30 +153,16 @@ class FsTier:
         self.buffer.close()
 
 
-class Driver:
-    def __init__(self) -> None:
-        self.fs: FsTier | None = None
-
-    def _need(self) -> FsTier:
-        if self.fs is None:
-            raise RuntimeError("no store is open (disk_open first)")
-        return self.fs
-
+class Driver(StoreDriver[FsTier]):
     def disk_open(self, system: str, dir: str, block_bytes: int, capacity_blocks: int,
                   pool_blocks: int, durable: bool = True) -> dict[str, Any]:
         """`durable` is tierkv's option; this peer never syncs (the synced variant
         adds `sync_files` to `disk_store`). The fs tier has no size bound."""
         if system != "fs":
             raise Unsupported(f"vLLM has no disk system {system!r}")
-        self.disk_close()
-        self.fs = FsTier(dir, block_bytes, pool_blocks)
+        fs = self._open(FsTier(dir, block_bytes, pool_blocks))
         return {"settings": "fs tier defaults (no size bound: capacity not enforced)",
-                "o_direct": self.fs.tier._use_o_direct}
-
-    def disk_close(self) -> None:
-        if self.fs is not None:
-            self.fs.close()
-            self.fs = None
+                "o_direct": fs.tier._use_o_direct}
 
     def disk_store(self, tag: str, count: int, seed: int, first: int = 0,
                    sync: bool = False) -> dict[str, Any]:
