@@ -92,7 +92,9 @@ class CachePolicy(ABC, Generic[K, V]):
 
     def note_request(self, req_id: Hashable, keys: Sequence[K], hints: RequestHints | None,
                      now: float) -> None:
-        """A request was looked up with its whole key chain and the engine's hints."""
+        """A request was looked up with its whole key chain and the engine's hints.
+        Called at every lookup: a request that waits is noted again at each step, and
+        must count as the same request."""
 
     def note_finish(self, req_id: Hashable, now: float) -> None:
         """The request `req_id` finished; its hints no longer apply to new stores."""
