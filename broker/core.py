@@ -13,6 +13,7 @@ import enum
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 from broker.events import EventRouter
 from broker.ops import GroupFailed, StepOps
+from broker.owners import Owner, OwnerTable
 from broker.peers import Peer, PeerState, PeerTable, fence, gone
 from broker.registrations import RegistrationRefused, Registrations
 from broker.remote_tier import RemoteTier
@@ -27,8 +29,8 @@ from broker.transfers import Transfer, TransferTracker
 from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.loglimit import RateLimitedLog, foreign
-from tierkv.core.shm import owner_alive
 from tierkv.core.tiering import TieringManager
+from tierkv.node.children import child_by_token
 from tierkv.node.config import Config
 from tierkv.wire.protocol import (
     AttachedKV,
@@ -63,6 +65,9 @@ log = logging.getLogger("broker.core")
 Link = str  # "client" | "worker" | "tier"
 Send = Callable[[Link, bytes, Message], bool]
 MAX_FINISHED_PER_CLIENT = 100_000
+# A gap this long between two liveness checks is the broker's own doing (one long
+# message, a stalled machine): peers' silence over it is not held against them.
+BUSY_GAP_S = 0.25
 
 
 class RunState(enum.Enum):
@@ -89,8 +94,11 @@ class BrokerCore:
         send: Send,
         clock: Callable[[], float] = time.monotonic,
         publish: Callable[[list[OffloadEvent]], None] | None = None,
+        tier_secret: str = "",
     ) -> None:
         self.config = config
+        # What a tier process started outside the supervisor proves in its hello.
+        self.tier_secret = tier_secret
         self.manager = manager
         self.remote_tiers = remote_tiers
         self._send = send
@@ -102,7 +110,13 @@ class BrokerCore:
         self._job_ids = itertools.count(1)
         self._workers: dict[int, Peer] = {}  # rank -> ready worker
         self.registrations = Registrations()
+        broker = config.broker
+        self.owners = OwnerTable(manager, owner_timeout_s=broker.owner_timeout_s,
+                                 reservation_s=broker.reservation_s, pin_s=broker.pin_s,
+                                 quota_blocks=int(broker.owner_share * config.cpu.num_blocks),
+                                 on_end=self._owner_ended)
         self.step_ops = StepOps(self)
+        self._last_liveness = clock()
         # Names the CPU region block ids refer to (see `OpsResult.region`).
         self.region_id = manager.region.generation if manager.region is not None else ""
         self._waiting: list[_Wait] = []  # `ops` requests waiting for jobs to finish
@@ -118,14 +132,19 @@ class BrokerCore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "protocol_errors", "request_errors", "steps", "ticks", "stores",
              "stores_refused", "loads", "transfers_failed", "late_outcomes", "peers_fenced",
-             "peer_deaths", "dropped_results"), 0
+             "peer_deaths", "dropped_results", "step_errors", "outcome_errors"), 0
         )
 
     # -- client link ---------------------------------------------------------------
 
     def on_client(self, client: bytes, msg: Message) -> None:
         self.counters["requests"] += 1
-        if isinstance(msg, RegisterKVRequest):
+        owner = self.owners.seen(client, self.clock())
+        if isinstance(msg, Heartbeat):
+            return  # the client library's ping while its engine is idle: no reply
+        if isinstance(msg, Bye):
+            self.owners.end(owner, "said bye")
+        elif isinstance(msg, RegisterKVRequest):
             self._register_kv(client, msg)
         elif isinstance(msg, StatsRequest):
             stats = self.stats()
@@ -133,7 +152,7 @@ class BrokerCore:
                 stats["invariants"] = self._check_invariants()
             self._send("client", client, Reply(msg.id, True, result=stats))
         elif isinstance(msg, OpsRequest):
-            self._ops(client, msg)
+            self._ops(owner, msg)
         else:
             self.client_error(client, getattr(msg, "id", 0),
                               ProtocolError(f"op {msg.op!r} is not a client request"))
@@ -149,9 +168,10 @@ class BrokerCore:
         self._send("client", client, Reply(request_id or 0, False,
                                            error=ErrorInfo(error.code.value, str(error))))
 
-    def _ops(self, client: bytes, msg: OpsRequest) -> None:
+    def _ops(self, owner: Owner, msg: OpsRequest) -> None:
+        client = owner.identity
         try:
-            out = self.step_ops.run(client, msg)
+            out = self.step_ops.run(owner, msg)
         except ProtocolError as e:
             self.client_error(client, msg.id, e)
             return
@@ -191,7 +211,7 @@ class BrokerCore:
 
     # -- transfers (client -> workers) ---------------------------------------------------
 
-    def _require_workers(self, what: str) -> list[Peer]:
+    def _require_workers(self, what: str, client: bytes, tokens: list[str]) -> list[Peer]:
         if self.state is not RunState.RUNNING:
             raise GroupFailed(ErrorCode.UNAVAILABLE,
                               f"broker is {self.state.value}: no new {what}")
@@ -203,15 +223,19 @@ class BrokerCore:
             if not peer.extra.get("kv_attached"):
                 raise GroupFailed(ErrorCode.UNAVAILABLE,
                                   f"rank {rank} has no KV cache registered")
+            if not self.registrations.may_use(client, rank, tokens):
+                raise GroupFailed(ErrorCode.NOT_OWNER, f"rank {rank}'s KV cache was registered "
+                                  "by another client: a store or load needs the token its "
+                                  "registration returned (Client.use_kv)")
             workers.append(peer)
         return workers
 
     def store(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
-              req_id: str | None) -> tuple[int | None, list[OffloadKey], bool]:
+              req_id: str | None, tokens: list[str]) -> tuple[int | None, list[OffloadKey], bool]:
         """GPU -> CPU tier on every rank: (job id, keys accepted, refused)."""
         if len(gpu_ids) != len(keys) or any(g < 0 for g in gpu_ids):
             raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
-        workers = self._require_workers("stores")
+        workers = self._require_workers("stores", client, tokens)
         out = self.manager.prepare_store(keys, req_id)
         if out is None:
             self.counters["stores_refused"] += 1
@@ -227,11 +251,11 @@ class BrokerCore:
         return transfer.job_id, out.keys_to_store, False
 
     def load(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
-             req_id: str | None) -> tuple[int, dict[str, int]]:
+             req_id: str | None, tokens: list[str]) -> tuple[int, dict[str, int]]:
         """CPU tier -> GPU on every rank: (job id, blocks promoted from each tier)."""
         if any(g < 0 for g in gpu_ids):
             raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
-        workers = self._require_workers("loads")
+        workers = self._require_workers("loads", client, tokens)
         cpu_ids, sources = self.manager.prepare_load_from(keys, req_id)
         transfer = self._start_transfer("load", client, list(keys), gpu_ids, cpu_ids, workers)
         self.counters["loads"] += 1
@@ -264,7 +288,7 @@ class BrokerCore:
                    f"rank {msg.rank} out of range for world_size {self.config.cpu.world_size}")
             return
         try:
-            self.registrations.check(client, msg.rank, msg.registration, msg.token)
+            same_engine = self.registrations.check(client, msg.rank, msg.registration, msg.token)
         except RegistrationRefused as e:
             refuse(ErrorCode.BAD_REQUEST, str(e))
             return
@@ -274,13 +298,14 @@ class BrokerCore:
             refuse(ErrorCode.UNAVAILABLE, f"no worker is ready for rank {msg.rank}; "
                    "the registration is kept and sent when it comes")
             return
-        self._attach(peer, client, msg.id, msg.rank, msg.registration)
+        self._attach(peer, client, msg.id, msg.rank, msg.registration, same_engine)
 
     def _attach(self, peer: Peer, client: bytes | None, request_id: int | None, rank: int,
-                registration: dict[str, Any]) -> None:
+                registration: dict[str, Any], same_engine: bool = False) -> None:
         deadline = self.clock() + self.config.broker.job_timeout_s
-        reg_id = self.registrations.begin(client, request_id, rank, registration, deadline)
-        self._send_peer(peer, AttachKV(reg_id, registration))
+        reg_id, token = self.registrations.begin(client, request_id, rank, registration,
+                                                 deadline, same_engine)
+        self._send_peer(peer, AttachKV(reg_id, registration, token))
 
     def _on_attached(self, peer: Peer, msg: AttachedKV) -> None:
         if msg.ok:
@@ -325,28 +350,43 @@ class BrokerCore:
         elif not isinstance(msg, Heartbeat):
             self.counters["protocol_errors"] += 1
 
+    def _trusted(self, link: Link, identity: bytes, token: str,
+                 tier: str = "") -> tuple[str, int, int] | None:
+        """Who a hello comes from, by evidence: (slot, pid, start time) of a process
+        the supervisor started and gave `token` (from its record, never the claim),
+        or of a tier process that knows the tier secret (no pid: never fenced).
+        None, after refusing it, for anyone else."""
+        child = child_by_token(self.config.run_path, token)
+        if child is not None:
+            return child.name, child.pid, child.start_time
+        if link == "tier" and token and self.tier_secret and \
+                secrets.compare_digest(token, self.tier_secret):
+            return f"{tier}@{identity.hex()}", -1, 0  # its own slot: one per connection
+        self._refuse(link, identity, "this hello carries no token this node gave: only "
+                     "processes its supervisor started may join (a tier process started "
+                     "by hand proves the tier secret, broker.tier_secret_file)")
+        return None
+
     def _worker_hello(self, identity: bytes, hello: WorkerHello, now: float) -> None:
         ws = self.config.cpu.world_size
-        if hello.pid <= 0:
-            self._refuse("worker", identity, f"pid {hello.pid} is not a process")
-            return
         if hello.world_size != ws or not 0 <= hello.rank < ws:
             self._refuse("worker", identity, f"rank {hello.rank} of world size "
                          f"{hello.world_size} does not fit this broker (world size {ws})")
             return
+        trusted = self._trusted("worker", identity, hello.token)
+        if trusted is None:
+            return
+        _, pid, start_time = trusted
         current = self._workers.get(hello.rank)
         if current is not None and current.identity != identity:
-            # The same process on a new session gave up on this broker while it hung:
-            # refusing it would make it exit. Nothing to fence: a worker closes its
-            # transfer engine, which waits for its copies, before it says hello again.
-            same = (current.pid, current.start_time) == (hello.pid, hello.start_time)
-            if _alive(current) and not same:
-                self._refuse("worker", identity, f"rank {hello.rank} is taken by "
-                             f"pid {current.pid}")
-                return
+            # A process the supervisor started for this rank: the same one on a new
+            # session (it gave up on this broker while it hung), or its replacement.
+            # Nothing to fence: a worker closes its transfer engine, which waits for
+            # its copies, before it says hello again; a replaced one is gone.
+            same = (current.pid, current.start_time) == (pid, start_time)
             self._peer_gone(current, "said hello on a new session" if same
                             else "replaced by a new worker", fence_it=False)
-        peer = Peer(identity, "worker", f"rank{hello.rank}", hello.pid, hello.start_time,
+        peer = Peer(identity, "worker", f"rank{hello.rank}", pid, start_time,
                     connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token,
                     extra={"rank": hello.rank, "device": hello.device, "pinned": hello.pinned,
                            "kv_attached": hello.registration is not None})
@@ -356,7 +396,7 @@ class BrokerCore:
         log.info("%s ready (device %s)", peer.label(), foreign(hello.device, 20))
         if hello.registration is not None:
             # The worker kept the engine's KV cache across a broker restart.
-            self.registrations.adopt(hello.rank, hello.registration)
+            self.registrations.adopt(hello.rank, hello.registration, hello.registration_token)
             return
         again = self.registrations.for_new_worker(hello.rank)
         if again is not None:  # what the engine gave, for a new or restarted worker
@@ -390,9 +430,6 @@ class BrokerCore:
             self.counters["protocol_errors"] += 1
 
     def _tier_hello(self, identity: bytes, hello: TierHello, now: float) -> None:
-        if hello.pid <= 0:
-            self._refuse("tier", identity, f"pid {hello.pid} is not a process")
-            return
         tier = self.remote_tiers.get(hello.tier)
         if tier is None:
             self._refuse("tier", identity, f"tier {hello.tier!r} is not configured "
@@ -402,11 +439,24 @@ class BrokerCore:
             self._refuse("tier", identity, f"namespace {hello.namespace!r} differs from "
                          f"the broker's {self.config.namespace!r}")
             return
-        old = self.peers.get(identity)
-        if old is not None:
-            self._peer_gone(old, "said hello again", fence_it=False)
-        peer = Peer(identity, "tier", hello.tier, hello.pid, hello.start_time,
-                    connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token)
+        trusted = self._trusted("tier", identity, hello.token, hello.tier)
+        if trusted is None:
+            return
+        slot, pid, start_time = trusted
+        if pid < 0:
+            # Not the supervisor's: never signalled (`broker.peers.fence`). Its claimed
+            # pid only keeps the rows of its jobs held until that process is gone.
+            pid, start_time = hello.pid, hello.start_time
+        for old in list(self.peers.peers.values()):
+            # The same connection again, or a new process in a dead one's slot (the
+            # supervisor restarted it before the broker noticed): the old one's
+            # membership, and the blocks it reported, end now.
+            if old.identity == identity or (old.kind == "tier" and old.extra.get("slot") == slot):
+                self._peer_gone(old, "said hello again" if old.identity == identity
+                                else "replaced by a new process", fence_it=False)
+        peer = Peer(identity, "tier", hello.tier, pid, start_time,
+                    connected_at=now, last_seen=now, state=PeerState.READY, token=hello.token,
+                    extra={"slot": slot})
         self.peers.add(peer)
         tier.on_hello(identity, hello)
         self._welcome("tier", peer)
@@ -418,6 +468,13 @@ class BrokerCore:
     def check_liveness(self) -> None:
         """Heartbeats out, silent peers dead, overdue jobs fenced. Call often."""
         now = self.clock()
+        gap, self._last_liveness = now - self._last_liveness, now
+        if gap > min(BUSY_GAP_S, self.config.broker.heartbeat_s / 2):
+            # The broker did not listen for `gap`: nobody was silent during it.
+            for peer in self.peers.peers.values():
+                peer.last_seen = min(now, peer.last_seen + gap)
+            self.owners.credit(gap, now)
+        self.owners.expire(now)
         for peer in self.peers.silent(now):
             self._peer_gone(peer, f"silent for {now - peer.last_seen:.1f}s", fence_it=True)
         for transfer in self.transfers.overdue(now):
@@ -482,6 +539,19 @@ class BrokerCore:
         else:
             self.remote_tiers[peer.name].peer_died(peer.identity, reason, hold=hold)
 
+    def _owner_ended(self, owner: Owner) -> None:
+        """What else goes with a client: its requests, its answers, its registrations."""
+        self.manager.finish_all(owner.prefix)
+        self.step_ops.forget(owner.prefix)
+        self._finished.pop(owner.identity, None)
+        self.events.take(owner.identity)
+        self._waiting = [w for w in self._waiting if w.client != owner.identity]
+        for rank in self.registrations.drop_client(owner.identity):
+            peer = self._workers.get(rank)
+            if peer is not None:
+                peer.extra["kv_attached"] = False
+            log.info("rank %d's KV registration ended with the client that made it", rank)
+
     def _release_quarantined(self) -> None:
         """The blocks of a peer that could not be fenced are released once its
         process is seen gone."""
@@ -510,38 +580,56 @@ class BrokerCore:
 
     def step(self) -> None:
         self.counters["steps"] += 1
-        self._apply_outcomes()
-        self.manager.step()
+        self._last_step = self.clock()
+        for phase in (self._apply_outcomes, self.manager.step, self._dispatch):
+            try:
+                phase()
+            except Exception as e:  # a bug costs this phase of one step, not the node
+                self.counters["step_errors"] += 1
+                if self._warn.warning(("step", phase.__name__), "error in a step (%s): %s",
+                                      phase.__name__, foreign(repr(e))):
+                    log.debug("the traceback", exc_info=True)
+
+    def _dispatch(self) -> None:
         for tier in self.remote_tiers.values():
             tier.dispatch()
         self.events.route(self.manager.take_events())
-        self._last_step = self.clock()
 
     def _apply_outcomes(self) -> None:
         outcomes, self._outcomes = self._outcomes, []
         for rank, outcome in outcomes:
-            transfer = self.transfers.rank_done(rank, outcome)
-            if transfer is None:
-                if outcome.job_id not in self.transfers.jobs:
-                    self.counters["late_outcomes"] += 1
-                continue
-            holder = self._held_jobs.pop(transfer.job_id, None)
-            if holder is not None and holder in self._quarantine:
-                # A worker that may still write (or read) these rows: not yet.
-                self._held_blocks.setdefault(holder, []).append((transfer.kind, transfer.keys))
-            elif transfer.kind == "store":
-                self.manager.complete_store(transfer.keys, transfer.success)
-            else:
-                self.manager.complete_load(transfer.keys)
-            if not transfer.success:
-                self.counters["transfers_failed"] += 1
-            finished = self._finished.setdefault(transfer.client, [])
-            if len(finished) >= MAX_FINISHED_PER_CLIENT:
-                finished.pop(0)
-                self.counters["dropped_results"] += 1
-            finished.append(transfer.result())
+            try:
+                self._apply_outcome(rank, outcome)
+            except Exception as e:  # one job's blocks, not the others' and not the node
+                self.counters["outcome_errors"] += 1
+                self._warn.warning(("outcome",), "could not apply job %d's outcome: %s",
+                                   outcome.job_id, foreign(repr(e)))
         if self._waiting:
             self._answer_waiting()
+
+    def _apply_outcome(self, rank: int, outcome: TransferOutcome) -> None:
+        transfer = self.transfers.rank_done(rank, outcome)
+        if transfer is None:
+            if outcome.job_id not in self.transfers.jobs:
+                self.counters["late_outcomes"] += 1
+            return
+        holder = self._held_jobs.pop(transfer.job_id, None)
+        if holder is not None and holder in self._quarantine:
+            # A worker that may still write (or read) these rows: not yet.
+            self._held_blocks.setdefault(holder, []).append((transfer.kind, transfer.keys))
+        elif transfer.kind == "store":
+            self.manager.complete_store(transfer.keys, transfer.success)
+        else:
+            self.manager.complete_load(transfer.keys)
+        if not transfer.success:
+            self.counters["transfers_failed"] += 1
+        if self.owners.get(transfer.client) is None:
+            return  # its client ended: nobody will collect the result
+        finished = self._finished.setdefault(transfer.client, [])
+        if len(finished) >= MAX_FINISHED_PER_CLIENT:
+            finished.pop(0)
+            self.counters["dropped_results"] += 1
+        finished.append(transfer.result())
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -571,6 +659,7 @@ class BrokerCore:
             "state": self.state.value,
             "uptime_s": now - self.started_at,
             "broker": dict(self.counters),
+            "owners": self.owners.stats(),
             "transfers_in_flight": len(self.transfers),
             "quarantined_peers": [p.label() for p in self._quarantine.values()],
             "peers": [
@@ -611,6 +700,3 @@ class BrokerCore:
         self.counters["request_errors"] += 1
         self._send(link, identity, Refused(reason))
 
-
-def _alive(peer: Peer) -> bool:
-    return owner_alive(peer.pid, peer.start_time)

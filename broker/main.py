@@ -28,6 +28,7 @@ from tierkv.core.primary import PrimaryTier
 from tierkv.core.reuse import ReuseFilter
 from tierkv.core.shm import RegionError, SharedRegion
 from tierkv.core.tiering import TieringManager
+from tierkv.node.children import tier_secret
 from tierkv.node.config import Config, ConfigError, tier_name
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
 from tierkv.node.process import process_parser, start_process
@@ -109,7 +110,8 @@ class BrokerProc:
                                      or max(64, cpu.num_blocks // 4))
             self.core = BrokerCore(config, manager, self.remote, self._send, clock,
                                    publish=self._publish if config.broker.events_address
-                                   else None)
+                                   else None,
+                                   tier_secret=tier_secret(config.tier_secret_path))
             # The metrics port first: if it is taken, no socket file is made at all.
             self.metrics = BrokerMetrics(config.broker.metrics_port) \
                 if config.broker.metrics_port else None
@@ -131,6 +133,10 @@ class BrokerProc:
             if secret else None
         for link, address in self.addresses.items():
             sock = make_socket(self.ctx, zmq.ROUTER)
+            if link == "client":
+                # A client keeps its (random, secret) routing id when it rebuilds its
+                # socket: the new connection takes the old one's place, as its owner.
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self.sockets[link] = sock
             if secret:
                 curve_server(sock, secret)

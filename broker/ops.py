@@ -17,13 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from broker.owners import Owner, OwnerRefused
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
 from tierkv.core.policies.hints import RequestHints, hints_from_kv_hints
 from tierkv.core.primary import BlockStateError
 from tierkv.core.tiering import HIT
+from tierkv.wire.codec import BadRequest
 from tierkv.wire.keyblob import pack_keys, unpack_counts, unpack_keys
-from tierkv.wire.protocol import KEY_SECTIONS, KeyGroups, OpError, OpsRequest, RequestContext
+from tierkv.wire.protocol import (
+    KEY_SECTIONS,
+    KeyGroups,
+    OpError,
+    OpsRequest,
+    RequestContext,
+)
 
 if TYPE_CHECKING:
     from broker.core import BrokerCore
@@ -42,9 +50,11 @@ class GroupFailed(Exception):
 class _Groups:
     """A section's groups: (index, req_id, keys) in order."""
 
-    def __init__(self, groups: KeyGroups, keys: list[OffloadKey], start: int, name: str):
+    def __init__(self, groups: KeyGroups, keys: list[OffloadKey], start: int, name: str,
+                 owner: Owner):
         self.counts = unpack_counts(groups.counts, f"ops.{name}.counts")
-        self.req_ids = groups.req_ids
+        # Request ids are the owner's own: another client's "r1" is another request.
+        self.req_ids = [owner.scope(r) if r else "" for r in groups.req_ids]
         self.keys = keys
         self.offsets = list(accumulate(self.counts, initial=start))
         self.end = self.offsets[-1]
@@ -65,18 +75,29 @@ class _Groups:
 class StepOps:
     def __init__(self, core: BrokerCore) -> None:
         self.core = core
-        self.contexts: dict[str, RequestContext] = {}  # until the request finishes
+        # By the owner's request id, until the request finishes: the context, and
+        # the hints the policy reads of it.
+        self.contexts: dict[str, tuple[RequestContext, RequestHints | None]] = {}
 
-    def run(self, client: bytes, msg: OpsRequest) -> dict[str, Any]:
-        """Run every section; returns the `OpsResult` fields that have answers."""
+    def forget(self, prefix: str) -> None:
+        """The contexts of an owner that ended."""
+        for req_id in [r for r in self.contexts if r.startswith(prefix)]:
+            del self.contexts[req_id]
+
+    def run(self, owner: Owner, msg: OpsRequest) -> dict[str, Any]:
+        """Run every section; returns the `OpsResult` fields that have answers. The
+        whole message is checked before anything is applied: one bad field is a
+        ProtocolError naming it, and nothing changed."""
+        client = owner.identity
         keys = unpack_keys(msg.keys, msg.key_len, msg.key_lens, "ops.keys")
         sections: dict[str, _Groups] = {}
         at = 0
         for name in KEY_SECTIONS:
             groups = getattr(msg, name)
             if groups is not None:
-                sections[name] = _Groups(groups, keys, at, name)
+                sections[name] = _Groups(groups, keys, at, name, owner)
                 at = sections[name].end
+        contexts = [(owner.scope(c.req_id), c, _hints(c, i)) for i, c in enumerate(msg.contexts)]
         out: dict[str, Any] = {"errors": []}
         manager = self.core.manager
         errors: list[OpError] = out["errors"]
@@ -85,46 +106,51 @@ class StepOps:
             for i, req_id, group in sections[name]:
                 try:
                     fn(i, req_id, group)
-                except GroupFailed as e:
+                except (GroupFailed, OwnerRefused) as e:
                     errors.append(OpError(name, i, e.code.value, str(e)))
                 except (BlockStateError, ValueError, TierError) as e:
                     errors.append(OpError(name, i, ErrorCode.BAD_REQUEST.value, str(e)))
 
+        owners = self.core.owners
         if "commit" in sections:
             ok = np.frombuffer(msg.commit_ok, dtype=np.uint8)
-            each("commit", lambda i, r, g: manager.complete_store(g, bool(ok[i])))
+            each("commit", lambda i, r, g: owners.commit(owner, g, bool(ok[i])))
         if "release" in sections:
-            each("release", lambda i, r, g: manager.complete_load(g))
-        for context in msg.contexts:
-            self._remember(context)
+            each("release", lambda i, r, g: owners.release(owner, g))
+        for req_id, context, hints in contexts:
+            self._remember(req_id, context, hints)
         if "lookup" in sections:
-            self._lookup(sections["lookup"], msg.lookup_status, msg.lookup_pin, out)
+            self._lookup(owner, sections["lookup"], msg.lookup_status, msg.lookup_pin, out)
         if "pin" in sections:
-            self._pin(sections["pin"], out, each)
+            self._pin(owner, sections["pin"], out, each)
         if "load" in sections:
-            self._load(client, sections["load"], msg.load_gpu, out, each)
+            self._load(client, sections["load"], msg.load_gpu, msg.kv_tokens, out, each)
         if "reserve" in sections:
-            self._reserve(client, sections["reserve"], out)
+            self._reserve(owner, sections["reserve"], out)
         if "store" in sections:
-            self._store(client, sections["store"], msg.store_gpu, out, each)
+            self._store(client, sections["store"], msg.store_gpu, msg.kv_tokens, out, each)
         if "touch" in sections:
             manager.touch(keys[sections["touch"].offsets[0]:sections["touch"].end])
         if "queue" in sections:
             manager.waiting([group for _, _, group in sections["queue"]])
         for req_id in msg.finish:
-            manager.finish(req_id)
-            self.contexts.pop(req_id, None)
+            scoped = owner.scope(req_id)
+            manager.finish(scoped)
+            self.contexts.pop(scoped, None)  # type: ignore[arg-type]
         return out
 
     # -- sections ------------------------------------------------------------------------
 
-    def _remember(self, context: RequestContext) -> None:
-        self.contexts.pop(context.req_id, None)
-        self.contexts[context.req_id] = context
+    def _remember(self, req_id: str | None, context: RequestContext,
+                  hints: RequestHints | None) -> None:
+        assert req_id is not None
+        self.contexts.pop(req_id, None)
+        self.contexts[req_id] = (context, hints)
         while len(self.contexts) > MAX_CONTEXTS:
             del self.contexts[next(iter(self.contexts))]
 
-    def _lookup(self, groups: _Groups, per_key: bool, pin: bool, out: dict[str, Any]) -> None:
+    def _lookup(self, owner: Owner, groups: _Groups, per_key: bool, pin: bool,
+                out: dict[str, Any]) -> None:
         manager = self.core.manager
         hits: list[int] = []
         state: list[int] = []
@@ -134,9 +160,8 @@ class StepOps:
         contexts = self.contexts
         tier_index = {t.name: i + 1 for i, t in enumerate(manager.tiers)}
         for _, req_id, keys in groups:
-            context = contexts.get(req_id) if contexts and req_id is not None else None
-            allowed = context.tiers if context is not None else None
-            hints = request_hints(context) if context is not None else None
+            known = contexts.get(req_id) if contexts and req_id is not None else None
+            allowed, hints = (known[0].tiers, known[1]) if known is not None else (None, None)
             status: list[int] | None = None
             if per_key:
                 found, status = manager.lookup_keys(keys, req_id, allowed, hints)
@@ -148,7 +173,7 @@ class StepOps:
             hits.append(found.hits)
             state.append(2 if found.retry else 1 if found.pending else 0)
             if pin:
-                rows.extend(self._pin_hits(keys, req_id, found.hits, status))
+                rows.extend(self._pin_hits(owner, keys, req_id, found.hits, status))
         out["hits"] = np.asarray(hits, np.int32).tobytes()
         out["state"] = bytes(state)
         if per_key:
@@ -159,7 +184,7 @@ class StepOps:
             out["rows"] = np.asarray(rows, np.int32).tobytes()
             out["region"] = self.core.region_id
 
-    def _pin_hits(self, keys: list[OffloadKey], req_id: str | None, hits: int,
+    def _pin_hits(self, owner: Owner, keys: list[OffloadKey], req_id: str | None, hits: int,
                   status: list[int] | None) -> list[int]:
         """Pin a lookup's hits in the same pass that found them, so no eviction can
         come between the answer and the engine's read: the leading `hits`, or every
@@ -168,20 +193,26 @@ class StepOps:
         where = (range(hits) if status is None
                  else [i for i, st in enumerate(status) if st == HIT])
         if where:
+            pinned = [keys[i] for i in where]
             try:
-                ids = self.core.manager.prepare_load([keys[i] for i in where], req_id)
-            except (BlockStateError, ValueError):  # nothing pinned: the hits read as misses
-                return rows
+                self.core.owners.check_room(owner, len(pinned))
+                ids = self.core.manager.prepare_load(pinned, req_id)
+            except (BlockStateError, ValueError, OwnerRefused):
+                return rows  # nothing pinned: the hits read as misses
+            self.core.owners.pinned(owner, pinned, self.core.clock())
             for i, block_id in zip(where, ids, strict=True):
                 rows[i] = block_id
         return rows
 
-    def _pin(self, groups: _Groups, out: dict[str, Any], each: Any) -> None:
+    def _pin(self, owner: Owner, groups: _Groups, out: dict[str, Any], each: Any) -> None:
         pinned = np.full(groups.total, -1, np.int32)
         base = groups.offsets[0]
+        owners = self.core.owners
 
         def pin(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
+            owners.check_room(owner, len(keys))
             ids = self.core.manager.prepare_load(keys, req_id)
+            owners.pinned(owner, keys, self.core.clock())
             start = groups.offsets[i] - base
             pinned[start:start + len(ids)] = ids
 
@@ -189,23 +220,35 @@ class StepOps:
         out["pinned"] = pinned.tobytes()
         out["region"] = self.core.region_id
 
-    def _reserve(self, client: bytes, groups: _Groups, out: dict[str, Any]) -> None:
-        manager = self.core.manager
+    def _reserve(self, owner: Owner, groups: _Groups, out: dict[str, Any]) -> None:
+        core = self.core
+        manager, owners, now = core.manager, core.owners, core.clock()
         reserved = np.full(groups.total, -1, np.int32)
         ok = np.zeros(len(groups), np.uint8)
         evicted: list[OffloadKey] = []
+        errors: list[OpError] = out["errors"]
         base = groups.offsets[0]
         for i, _req_id, keys in groups:
+            start = groups.offsets[i] - base
+            where = {k: j for j, k in enumerate(keys)}
+            # The owner's own reservations of these keys: renewed, their rows again.
+            for key in owners.renew(owner, keys, now):
+                row = manager.primary.block_id(key)
+                reserved[start + where[key]] = -1 if row is None else row
+            try:
+                owners.check_room(owner, sum(not manager.primary.contains(k) for k in where))
+            except OwnerRefused as e:
+                errors.append(OpError("reserve", i, e.code.value, str(e)))
+                continue
             result = manager.prepare_store(keys)
             if result is None:
-                self.core.counters["stores_refused"] += 1
+                core.counters["stores_refused"] += 1
                 continue
             ok[i] = 1
             evicted.extend(result.evicted_keys)
             if result.keys_to_store:
-                self.core.events.own(client, result.keys_to_store)
-                where = {k: j for j, k in enumerate(keys)}
-                start = groups.offsets[i] - base
+                owners.reserved(owner, result.keys_to_store, now)
+                core.events.own(owner.identity, result.keys_to_store)
                 for key, block_id in zip(result.keys_to_store, result.block_ids, strict=True):
                     reserved[start + where[key]] = block_id
         blob, width, lens = pack_keys(evicted)
@@ -213,8 +256,8 @@ class StepOps:
                    region=self.core.region_id,
                    evicted_lens=lens if lens else bytes([width]) * len(evicted))
 
-    def _store(self, client: bytes, groups: _Groups, gpu: bytes, out: dict[str, Any],
-               each: Any) -> None:
+    def _store(self, client: bytes, groups: _Groups, gpu: bytes, tokens: list[str],
+               out: dict[str, Any], each: Any) -> None:
         gpu_ids = np.frombuffer(gpu, dtype="<i4")
         jobs = np.full(len(groups), -1, np.int64)
         refused = np.zeros(len(groups), np.uint8)
@@ -224,7 +267,7 @@ class StepOps:
         def store(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
             a, b = groups.offsets[i] - base, groups.offsets[i + 1] - base
             job_id, taken, was_refused = self.core.store(client, keys, gpu_ids[a:b].tolist(),
-                                                         req_id)
+                                                         req_id, tokens)
             jobs[i], refused[i] = -1 if job_id is None else job_id, was_refused
             if taken:
                 mine = set(taken)
@@ -234,8 +277,8 @@ class StepOps:
         out.update(store_jobs=jobs.tobytes(), store_refused=refused.tobytes(),
                    store_accepted=accepted.tobytes())
 
-    def _load(self, client: bytes, groups: _Groups, gpu: bytes, out: dict[str, Any],
-              each: Any) -> None:
+    def _load(self, client: bytes, groups: _Groups, gpu: bytes, tokens: list[str],
+              out: dict[str, Any], each: Any) -> None:
         gpu_ids = np.frombuffer(gpu, dtype="<i4")
         jobs = np.full(len(groups), -1, np.int64)
         sources: list[dict[str, int]] = [{} for _ in range(len(groups))]
@@ -243,10 +286,19 @@ class StepOps:
 
         def load(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
             a, b = groups.offsets[i] - base, groups.offsets[i + 1] - base
-            jobs[i], sources[i] = self.core.load(client, keys, gpu_ids[a:b].tolist(), req_id)
+            jobs[i], sources[i] = self.core.load(client, keys, gpu_ids[a:b].tolist(), req_id,
+                                                 tokens)
 
         each("load", load)
         out.update(load_jobs=jobs.tobytes(), load_sources=sources)
+
+
+def _hints(context: RequestContext, index: int) -> RequestHints | None:
+    """The policy's reading of a context, checked before the message does anything."""
+    try:
+        return request_hints(context)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"ops.contexts[{index}]: {e}") from None
 
 
 def request_hints(context: RequestContext) -> RequestHints | None:

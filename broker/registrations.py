@@ -54,6 +54,7 @@ class PendingAttach:
     rank: int
     registration: dict[str, Any]
     deadline: float
+    token: str  # the right to use it (`AttachKV.token`)
 
 
 class Registrations:
@@ -64,14 +65,18 @@ class Registrations:
         self.pending: dict[int, PendingAttach] = {}  # reg id -> attach in flight
         self._ids = itertools.count(1)
 
-    def check(self, client: bytes, rank: int, registration: Any, token: str) -> None:
-        """May `client` register this for `rank`? Raises RegistrationRefused."""
+    def check(self, client: bytes, rank: int, registration: Any, token: str) -> bool:
+        """May `client` register this for `rank`? Raises RegistrationRefused. True
+        when it is the same engine again (its client, or its token): the token, and
+        with it the right of the clients it gave it to, stays."""
         check_shape(registration)
         owner = self._owners.get(rank)
-        if owner is None or owner.client == client or (token and token == owner.token):
-            return
+        if owner is None:
+            return False
+        if owner.client == client or (token and secrets.compare_digest(token, owner.token)):
+            return True
         if owner.engine_pid and not owner_alive(owner.engine_pid, 0):
-            return  # the engine that registered has exited: a restart may replace it
+            return False  # the engine that registered has exited: a restart may replace it
         raise RegistrationRefused(
             f"rank {rank}'s KV cache is registered by another engine (pid "
             f"{owner.engine_pid or '?'}): only that engine, or a client with the token its "
@@ -82,10 +87,39 @@ class Registrations:
         self._waiting[rank] = (client, registration)
 
     def begin(self, client: bytes | None, request_id: int | None, rank: int,
-              registration: dict[str, Any], deadline: float) -> int:
+              registration: dict[str, Any], deadline: float,
+              same_engine: bool = False) -> tuple[int, str]:
+        """An attach to send: its id and the token that will prove the right to it
+        (a re-attach, or the same engine registering again, keeps the one it has)."""
         reg_id = next(self._ids)
-        self.pending[reg_id] = PendingAttach(client, request_id, rank, registration, deadline)
-        return reg_id
+        owner = self._owners.get(rank)
+        keep = owner is not None and (client is None or same_engine)
+        token = owner.token if keep and owner is not None else secrets.token_hex(16)
+        self.pending[reg_id] = PendingAttach(client, request_id, rank, registration, deadline,
+                                             token)
+        return reg_id, token
+
+    def may_use(self, client: bytes, rank: int, tokens: list[str]) -> bool:
+        """May `client` store from and load into rank's KV cache? Only the client
+        that registered it, or one that shows the token its registration returned."""
+        owner = self._owners.get(rank)
+        if owner is None:
+            return False
+        if owner.client == client:
+            return True
+        given = tokens[rank] if rank < len(tokens) else ""
+        return bool(given) and secrets.compare_digest(given, owner.token)
+
+    def drop_client(self, client: bytes) -> list[int]:
+        """The client that registered these ranks ended: their registrations go."""
+        ranks = [rank for rank, owner in self._owners.items() if owner.client == client]
+        for rank in ranks:
+            del self._owners[rank]
+            self.working.pop(rank, None)
+        for rank, (waiting, _) in list(self._waiting.items()):
+            if waiting == client:
+                del self._waiting[rank]
+        return ranks
 
     def for_new_worker(self, rank: int) -> tuple[bytes | None, dict[str, Any]] | None:
         """What a worker that just said hello should attach: a registration that
@@ -104,9 +138,13 @@ class Registrations:
             return None
         return None, registration
 
-    def adopt(self, rank: int, registration: dict[str, Any]) -> None:
-        """A worker kept this registration across a broker restart."""
+    def adopt(self, rank: int, registration: dict[str, Any], token: str) -> None:
+        """A worker kept this registration across a broker restart: the engine that
+        made it proves its right with the token the worker kept beside it."""
         self.working.setdefault(rank, registration)
+        if token and rank not in self._owners:
+            pid = registration.get("pid")
+            self._owners[rank] = _Owner(b"", token, pid if type(pid) is int and pid > 0 else 0)
 
     def attached(self, reg_id: int, ok: bool) -> tuple[PendingAttach | None, str]:
         """A worker's answer; returns the attach and, if it worked and a client
@@ -118,10 +156,9 @@ class Registrations:
         if pending.client is None:
             return pending, ""
         pid = pending.registration.get("pid")
-        token = secrets.token_hex(16)
-        self._owners[pending.rank] = _Owner(pending.client, token,
+        self._owners[pending.rank] = _Owner(pending.client, pending.token,
                                             pid if type(pid) is int and pid > 0 else 0)
-        return pending, token
+        return pending, pending.token
 
     def overdue(self, now: float) -> list[PendingAttach]:
         late = [reg_id for reg_id, p in self.pending.items() if now > p.deadline]

@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: unique instance names, and a check that nothing is left behind."""
+"""Suite-wide fixtures: unique instance names, caches of the run's own, and a check
+that nothing is left behind."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import uuid
 
 import pytest
 
-from tests.integration.cluster import Cluster, leftovers, make_config
+from tests import cache_isolation
+
+# Before anything imports vLLM, torch or transformers: see tests/cache_isolation.py.
+CACHE_ROOT = cache_isolation.isolate()
+
+from tests.integration.cluster import Cluster, leftovers, make_config  # noqa: E402
 
 # Every instance name this session handed out; only their segments are checked, so
 # another run on the same machine cannot make this one fail.
@@ -37,6 +43,7 @@ def instance() -> str:
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments():
     yield
+    cache_isolation.remove(CACHE_ROOT)
     left = _our_segments()
     assert not left, f"shared-memory segments left in /dev/shm: {sorted(left)}"
 

@@ -1,7 +1,8 @@
 """The `tierkv` command: one entry point, a subcommand per job.
 
     tierkv demo [--quick]        the main job: a demo node, driven like an engine
-    tierkv up -c FILE            run a node (supervisor) until ^C
+    tierkv up -c FILE            run a node (supervisor) until ^C (--detach: in the background)
+    tierkv down -c FILE          stop a running node
     tierkv status [-c FILE]      a table of a running node
     tierkv config --explain      every config key, its default and its meaning
     tierkv config -c FILE        check a config file (here), print it in full
@@ -21,11 +22,11 @@ from tierkv.node.config import ConfigError, load_config
 
 
 def _status(args: argparse.Namespace) -> int:
-    from tierkv.node.status import gather, render
+    from tierkv.node.status import gather, render, report
 
     config = load_config(args.config)
     status = gather(config, timeout=args.timeout)
-    print(json.dumps(status, indent=2, default=str) if args.json else render(status))
+    print(json.dumps(report(status), indent=2, default=str) if args.json else render(status))
     return 0 if status.get("broker") is not None else 1
 
 
@@ -53,9 +54,53 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if args.detach:
+        return _up_detached(args)
     from tierkv.node.supervise import main as supervise
 
     return supervise((["-c", args.config] if args.config else []) + ["-v"] * args.verbose)
+
+
+def _up_detached(args: argparse.Namespace) -> int:
+    from tierkv.node.config import check_tiers_here
+    from tierkv.node.control import detach
+
+    config = load_config(args.config)
+    check_tiers_here(config)
+    sup = config.supervisor
+    # Starting: the broker, then everyone else, each phase within ready_timeout_s.
+    timeout = args.timeout if args.timeout is not None else 3 * sup.ready_timeout_s + 30
+    try:
+        node = detach(config, args.config, args.verbose, timeout)
+    except RuntimeError as e:
+        print(f"tierkv up: {e}", file=sys.stderr)
+        return 1
+    print(f"node {config.instance} is up (supervisor pid {node.pid})\nlog: {node.log_path}\n"
+          f"stop it with: tierkv down{' -c ' + args.config if args.config else ''}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from tierkv.node.control import NotRunning, down
+    from tierkv.wire.sockets import RunDirError
+
+    config = load_config(args.config)
+    sup = config.supervisor
+    # Stopping: the broker (it drains), then everyone else, each within stop_timeout_s.
+    timeout = args.timeout if args.timeout is not None else 2 * sup.stop_timeout_s + 10
+    try:
+        stopped = down(config, timeout)
+    except (NotRunning, RunDirError, TimeoutError) as e:
+        print(f"tierkv down: {e}", file=sys.stderr)
+        return 1
+    what = ", ".join(f"{name} (pid {pid})" for name, pid in stopped.children.items())
+    print(f"stopped node {stopped.instance} in {stopped.elapsed_s:.1f}s: supervisor (pid "
+          f"{stopped.supervisor_pid})" + (f", {what}" if what else ""))
+    if stopped.left:
+        print(f"tierkv down: still running after the supervisor exited: "
+              f"{', '.join(stopped.left)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "The log is node.log in the run directory (also echoed to stderr).")
     up.add_argument("-c", "--config", help="the node's tierkv.toml (default: the defaults)")
     up.add_argument("-v", "--verbose", action="count", default=0, help="debug lines too")
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background: return once the node is up, print where "
+                         "its log is (stop it with `tierkv down`)")
+    up.add_argument("--timeout", type=float, default=None,
+                    help="with --detach: seconds to wait for the node to be up (default: 3 x "
+                         "supervisor.ready_timeout_s + 30); past it the node is stopped")
     up.set_defaults(run=_up)
+
+    down = sub.add_parser(
+        "down", help="stop a running node",
+        description="Stop the node of a config cleanly, as ^C to `tierkv up` does (the "
+                    "broker first, draining its jobs, then the workers and tiers), wait "
+                    "until it has stopped and say what was stopped. Exit 1 when no node of "
+                    "that instance is running, or when it has not stopped within the timeout.")
+    down.add_argument("-c", "--config", help="the node's tierkv.toml (default: the defaults)")
+    down.add_argument("--timeout", type=float, default=None,
+                      help="seconds to wait (default: 2 x supervisor.stop_timeout_s + 10)")
+    down.set_defaults(run=_down)
 
     config = sub.add_parser(
         "config", help="check a config file, or explain every key",

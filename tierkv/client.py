@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +49,8 @@ from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
     KEY_SECTIONS,
     LOOKUP_STATUSES,
+    Bye,
+    Heartbeat,
     KeyGroups,
     Message,
     OpsRequest,
@@ -137,20 +141,41 @@ class RemoteError(RuntimeError):
         self.message = message
 
 
+PING_S = 5.0  # an idle client says it is alive this often (broker.owner_timeout_s: 30)
+
+
 class Client:
+    """One connection to the broker, and one owner there: what it reserves, pins,
+    registers and leases is its own (others are refused `not_owner`) and is let go
+    when it closes or goes silent for `broker.owner_timeout_s`. While the engine is
+    idle, a background thread pings every `ping_s` so that silence means gone."""
+
     def __init__(self, address: str, timeout: float = 10.0,
-                 curve: CurveClientKeys | None = None) -> None:
+                 curve: CurveClientKeys | None = None, ping_s: float = PING_S) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if ping_s <= 0:
+            raise ValueError(f"ping_s must be positive, got {ping_s}")
         self.address = address
         self.timeout = timeout
         self.curve = curve
+        self.ping_s = ping_s
         self._ctx: zmq.Context = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        # The broker knows this client by its routing id: kept when the socket is
+        # rebuilt, so a reconnect is the same owner. Random, never shown: it is what
+        # the broker's ownership checks rest on.
+        self._routing_id = b"tkv" + secrets.token_bytes(16)
+        self._lock = threading.RLock()  # the socket: the caller's thread and the pinger
+        self._last_sent = time.monotonic()
+        self._pinger: threading.Thread | None = None
+        self._closed = threading.Event()
         self._held: list[JobResult] = []  # finished while `wait` looked for others
         self._held_events: list[OffloadEvent] = []
-        self.registration_tokens: dict[int, str] = {}  # rank -> what replaces ours
+        # rank -> the token of its KV registration: ours (kept to replace it, also
+        # across reconnects), or another client's given by `use_kv`.
+        self.registration_tokens: dict[int, str] = {}
         self._connect()
 
     @classmethod
@@ -158,7 +183,14 @@ class Client:
         if not isinstance(config, Config):
             config = load_config(config)
         return cls(config.connect_address("client"), timeout=config.client.timeout_s,
-                   curve=config.client.curve_keys())
+                   curve=config.client.curve_keys(),
+                   ping_s=min(PING_S, config.broker.owner_timeout_s / 4))
+
+    def use_kv(self, tokens: dict[int, str]) -> None:
+        """Store from and load into KV caches another client registered: the tokens
+        (rank -> token) its `register_kv` returned. Without them the broker refuses
+        this client's `store` and `load` (`not_owner`)."""
+        self.registration_tokens.update(tokens)
 
     # -- one operation per round trip --------------------------------------------------
 
@@ -273,9 +305,38 @@ class Client:
     # -- plumbing --------------------------------------------------------------------
 
     def close(self) -> None:
+        """Say goodbye (the broker lets go of what this client holds at once) and
+        close the socket."""
+        self._closed.set()
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.send(encode(Bye("client closed")), flags=zmq.NOBLOCK)
+                    self._sock.close(linger=100)  # time for the goodbye to leave
+                except zmq.ZMQError:
+                    self._sock.close(linger=0)
+                self._sock = None
+
+    def _drop_socket(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    def _ping(self) -> None:
+        """While the engine is idle, say it is alive (the broker ends a silent client)."""
+        while not self._closed.wait(self.ping_s / 2):
+            if time.monotonic() - self._last_sent < self.ping_s:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # a call is in flight: that says it
+            try:
+                if self._sock is not None and not self._closed.is_set():
+                    self._sock.send(encode(Heartbeat()), flags=zmq.NOBLOCK)
+                    self._last_sent = time.monotonic()
+            except zmq.ZMQError:
+                pass  # not connected: the next call finds out and says so
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> Client:
         return self
@@ -294,8 +355,8 @@ class Client:
         return Step(finished, events, step.step)
 
     def _connect(self) -> None:
-        self.close()
-        sock = make_socket(self._ctx, zmq.DEALER)
+        self._drop_socket()
+        sock = make_socket(self._ctx, zmq.DEALER, identity=self._routing_id)
         # Messages are not queued for a broker that is not there.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.curve is not None:
@@ -311,6 +372,16 @@ class Client:
         return reply.result
 
     def _roundtrip(self, msg: Message, timeout: float) -> Reply:
+        if self._pinger is None or self._closed.is_set():  # first call, or used after close
+            self._closed.clear()
+            self._pinger = threading.Thread(target=self._ping, name="tierkv-client-ping",
+                                            daemon=True)
+            self._pinger.start()
+        with self._lock:
+            self._last_sent = time.monotonic()
+            return self._exchange(msg, timeout)
+
+    def _exchange(self, msg: Message, timeout: float) -> Reply:
         if self._sock is None:
             self._connect()
         sock = self._sock
@@ -472,6 +543,9 @@ class Batch:
                 fields[f"{name}_gpu"] = np.concatenate(
                     [np.asarray(e, "<i4") for e in section.extra]).tobytes()
         blob, width, lens = _packed(keys)
+        tokens = self._client.registration_tokens
+        if tokens and ("store" in fields or "load" in fields):
+            fields["kv_tokens"] = [tokens.get(r, "") for r in range(max(tokens) + 1)]
         return OpsRequest(request_id, blob, width, lens, finish=self._finish,
                           contexts=self._contexts, lookup_status=self._status,
                           lookup_pin=bool(self._pin),

@@ -62,6 +62,7 @@ class WorkerService(PeerService):
         self.engine: Any = None
         self.kv: Any = None  # the engine's KV cache: outlives broker sessions
         self.registration: dict[str, Any] | None = None
+        self.registration_token = ""  # the engine's right to it (`AttachKV.token`)
         self.wakeup = Wakeup()
         self.pinned: Any = None  # this session's `workers.gpu.pinning.Pinned`
         self._pin_view: Any = None  # the region's bytes, held while pinned
@@ -116,7 +117,7 @@ class WorkerService(PeerService):
         hello = WorkerHello(self.rank, self.config.cpu.world_size, pid,
                             process_start_time(pid) or 0, device, self.registration,
                             None if self.pinned is None else self.pinned.pinned,
-                            token=self.token)
+                            token=self.token, registration_token=self.registration_token)
         link = BrokerLink(self.address, self.identity(), self.heartbeat_s, TO_WORKER_OPS,
                           self.config.client.curve_keys())
         try:
@@ -168,6 +169,7 @@ class WorkerService(PeerService):
                         self.cuda_index, kv.device, kv.device)
         self._drop_kv()  # an engine restart re-registered: drop the old handles
         self.kv, self.registration = kv, msg.registration
+        self.registration_token = msg.token
         log.info("rank %d attached the KV cache (page %d bytes)", self.rank, kv.layout.page_size)
         return AttachedKV(msg.reg_id, True, page_size=kv.layout.page_size)
 
@@ -192,6 +194,7 @@ class WorkerService(PeerService):
         if self.kv is not None:
             self.kv.close()
         self.kv, self.registration = None, None
+        self.registration_token = ""
 
 
 def resolve_device(device: str, rank: int) -> tuple[str, int | None]:

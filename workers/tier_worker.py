@@ -17,6 +17,7 @@ from typing import Any
 
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.shm import RegionLayout, SharedRegion, process_start_time
+from tierkv.node.children import tier_secret
 from tierkv.node.config import Config, ConfigError, tier_name
 from tierkv.node.process import process_parser, start_process
 from tierkv.tiers.backend import TierBackend
@@ -84,7 +85,9 @@ class TierService(PeerService):
         hello = TierHello(
             self.name, backend.type_name, pid, process_start_time(pid) or 0,
             shared=backend.shared, capacity_bytes=backend.capacity(),
-            namespace=self.config.namespace, inventory_total=len(inventory), token=self.token,
+            namespace=self.config.namespace, inventory_total=len(inventory),
+            # Started by the supervisor: its token; by hand: the node's tier secret.
+            token=self.token or tier_secret(self.config.tier_secret_path, create=False),
             refresh_s=refresh_s,
         )
         chunks = [Inventory(inventory[i : i + INVENTORY_CHUNK],

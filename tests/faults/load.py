@@ -60,14 +60,17 @@ class EngineKV:
             raise
         self.views = [kv.tensors[0].view(GPU_BLOCKS, -1).numpy().view(np.uint8)
                       for kv in self.caches]
+        self.tokens: dict[int, str] = {}  # rank -> its registration's token (`register`)
 
     def register(self, client: Client, timeout: float = 60.0) -> None:
-        """Hand the cache to every rank's worker, waiting while none is ready."""
+        """Hand the cache to every rank's worker, waiting while none is ready. The
+        tokens the registrations return let the other drivers store and load."""
         deadline = time.monotonic() + timeout
         for rank, kv in enumerate(self.caches):
             while True:
                 try:
                     client.register_kv(rank, kv.registration(), timeout=10.0)
+                    self.tokens[rank] = client.registration_tokens[rank]
                     break
                 except (RemoteError, BrokerUnavailable):
                     if time.monotonic() > deadline:
@@ -219,6 +222,8 @@ class Driver:
         self.client.close()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.kv is not None:
+            self.client.use_kv(self.kv.tokens)  # also those of a registration made again
         t0 = time.monotonic()
         try:
             return fn(*args)

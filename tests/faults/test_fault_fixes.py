@@ -11,6 +11,7 @@ from tests.integration.cluster import make_config
 from tierkv.core.primary import PrimaryTier
 from tierkv.core.shm import process_start_time
 from tierkv.core.tiering import TieringManager
+from tierkv.node.children import ChildRegistry
 from tierkv.tiers.index import TierIndex
 from tierkv.wire.protocol import Refused, Welcome, WorkerHello
 
@@ -42,14 +43,17 @@ def _core(tmp_path: Path) -> tuple[BrokerCore, list[tuple[str, bytes, object]]]:
 
 def test_a_worker_saying_hello_on_a_new_session_rejoins(tmp_path):
     """After a hung broker resumes, its worker's new session replaces the old one;
-    another live process claiming the rank is still refused."""
+    a process the supervisor did not start, naming the live worker's pid and start
+    time (both public), is refused: claims are not evidence (issue 24, F3)."""
     core, sent = _core(tmp_path)
     pid = os.getpid()
     started = process_start_time(pid) or 0
-    core.on_worker(b"worker:0:1", WorkerHello(0, 1, pid, started))
-    core.on_worker(b"worker:0:2", WorkerHello(0, 1, pid, started))
+    token = ChildRegistry.new_token()
+    ChildRegistry(tmp_path).add(token, "worker0", pid)  # as the supervisor records a child
+    core.on_worker(b"worker:0:1", WorkerHello(0, 1, pid, started, token=token))
+    core.on_worker(b"worker:0:2", WorkerHello(0, 1, pid, started, token=token))
     assert isinstance(sent[-1][2], Welcome) and sent[-1][1] == b"worker:0:2"
     assert [p["pid"] for p in core.stats()["peers"]] == [pid]
-    core.on_worker(b"impostor", WorkerHello(0, 1, os.getppid(),
-                                            process_start_time(os.getppid()) or 0))
-    assert isinstance(sent[-1][2], Refused) and "rank 0 is taken" in sent[-1][2].reason
+    core.on_worker(b"impostor", WorkerHello(0, 1, pid, started, token="guessed"))
+    assert isinstance(sent[-1][2], Refused) and "no token this node gave" in sent[-1][2].reason
+    assert [p["pid"] for p in core.stats()["peers"]] == [pid]  # the real one stays

@@ -14,6 +14,7 @@ import zmq
 
 from tests.integration.cluster import keys
 from tierkv.client import RemoteError
+from tierkv.node.children import tier_secret
 from tierkv.wire.protocol import PROTOCOL_VERSION, Ready, TierHello, decode, encode
 
 
@@ -25,19 +26,44 @@ def dealer(address: str, name: bytes) -> zmq.Socket:
     return sock
 
 
-def test_a_forged_peer_that_goes_silent_never_gets_a_process_killed(make_cluster):
-    """A `tier_hello` naming a bystander's pid with start time 0 was accepted, and
-    when the "peer" went silent the broker SIGKILLed the bystander. Now a peer the
-    node did not start is never signalled; the blocks of the jobs it took stay held
-    until its process is seen gone, so nothing it could still write lands in a
-    reused row."""
+def test_a_tier_hello_without_the_nodes_token_or_secret_is_refused(make_cluster):
+    """Issue 24, F3: a forged tier process was welcomed, drew jobs by announcing
+    credit, and answered promotions without writing the row."""
+    cluster = make_cluster(cpu={"num_blocks": 16})
+    forged = dealer(cluster.config.connect_address("tier"), b"forged")
+    try:
+        forged.send(encode(TierHello("memory", "memory", pid=os.getpid(), token="made-up")))
+        forged.send(encode(Ready(1000)))
+        assert forged.poll(5000)
+        answer = decode(forged.recv())
+        assert type(answer).__name__ == "Refused" and "tier secret" in answer.reason
+    finally:
+        forged.close()
+    c = cluster.client()
+    ks = keys(1, 2)
+    cluster.fill(ks, [0, 1])
+    assert c.wait([c.store(ks, [0, 1]).job_id])
+    deadline = time.monotonic() + 10
+    while c.stats()["tiers"]["memory"]["blocks"] < 2 and time.monotonic() < deadline:
+        c.step()  # cascaded by the real tier process alone
+        time.sleep(0.05)
+    assert c.stats()["tiers"]["memory"]["blocks"] == 2
+
+
+def test_a_tier_started_by_hand_that_goes_silent_never_gets_a_process_killed(make_cluster):
+    """A tier process the operator started (it proves the tier secret, not a token of
+    the supervisor's) names a bystander's pid. When it went silent the broker used to
+    SIGKILL the named process. Now a peer the node did not start is never signalled;
+    the blocks of the jobs it took stay held until the process it named is seen gone,
+    so nothing it could still write lands in a reused row."""
     cluster = make_cluster(cpu={"num_blocks": 16})
     bystander = subprocess.Popen(["sleep", "120"])
     forged = dealer(cluster.config.connect_address("tier"), b"forged")
     try:
         c = cluster.client()
+        secret = tier_secret(cluster.config.tier_secret_path, create=False)
         forged.send(encode(TierHello("memory", "memory", pid=bystander.pid, start_time=0,
-                                     inventory_total=0)))
+                                     inventory_total=0, token=secret)))
         forged.send(encode_map({"v": PROTOCOL_VERSION, "op": "inventory", "keys": [],
                                 "last": True}))
         forged.send(encode(Ready(1000)))  # the most credit: the jobs come here

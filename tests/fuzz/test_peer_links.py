@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 
 import msgpack
 import pytest
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 from tests.conftest import new_instance
 from tests.integration.cluster import Cluster, keys, leftovers, make_config
 from tierkv.core.errors import ErrorCode
+from tierkv.core.shm import process_start_time
 from tierkv.engine import allocate_kv_cache
+from tierkv.node.children import ChildRegistry, tier_secret
 from tierkv.tiers.base import JobResult
 from tierkv.wire.protocol import (
     PROTOCOL_VERSION,
@@ -100,12 +103,16 @@ def mutations(payload: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-def test_a_peer_claiming_a_taken_rank_is_refused(node):
+def test_a_hello_naming_the_live_workers_pid_without_its_token_is_refused(node):
+    """Issue 24, F3: a hello naming the live worker's pid and start time (both public)
+    replaced it, and the engine's copies then came back wrong."""
+    worker = next(p for p in node.clients[0].stats()["peers"] if p["kind"] == "worker")
+    pid = worker["pid"]
     peer = FakePeer(node.config.connect_address("worker"), "impostor")
     try:
-        peer.send(encode(WorkerHello(0, 2, os.getpid())))
+        peer.send(encode(WorkerHello(0, 2, pid, process_start_time(pid) or 0)))
         (answer,) = peer.replies(2000)
-        assert isinstance(answer, Refused) and "rank 0 is taken" in answer.reason
+        assert isinstance(answer, Refused) and "no token this node gave" in answer.reason
         peer.send(encode(TransferDoneBatch([TransferOutcome(1, True)])))
         assert isinstance(peer.replies(2000)[0], Refused)  # not admitted: say hello first
     finally:
@@ -131,8 +138,15 @@ def test_forged_and_malformed_worker_messages(node):
     rng = random.Random(1234)
     c = node.clients[0]
     peer = FakePeer(node.config.connect_address("worker"), "fuzz1")
+    stand_in = subprocess.Popen(["sleep", "300"])
     try:
-        peer.send(encode(WorkerHello(1, 2, NO_PROCESS, 0, "cpu", {"fake": True})))
+        # Admitted as the supervisor admits its children: a token in its record, for
+        # a stand-in process (the one the broker would fence if the peer went silent).
+        token, kv_token = ChildRegistry.new_token(), ChildRegistry.new_token()
+        node.node.registry.add(token, "worker1", stand_in.pid)
+        c.use_kv({1: kv_token})
+        peer.send(encode(WorkerHello(1, 2, NO_PROCESS, 0, "cpu", {"fake": True}, token=token,
+                                     registration_token=kv_token)))
         assert any(isinstance(m, Welcome) for m in peer.replies(2000))
         stores = seen = 0
         for round_ in range(6):
@@ -163,6 +177,8 @@ def test_forged_and_malformed_worker_messages(node):
         assert stores == 6 and seen >= 6  # the fuzzing rank was sent every job
     finally:
         peer.close()
+        stand_in.kill()
+        stand_in.wait(10)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -182,7 +198,8 @@ def test_forged_and_malformed_worker_messages(node):
 def test_fuzzed_tier_messages_never_break_the_broker(node, payloads):
     peer = FakePeer(node.config.connect_address("tier"), "fuzztier")
     try:
-        peer.send(encode(TierHello("mem", "memory", NO_PROCESS, namespace=node.config.namespace)))
+        peer.send(encode(TierHello("mem", "memory", NO_PROCESS, namespace=node.config.namespace,
+                                   token=tier_secret(node.config.tier_secret_path))))
         peer.send(encode(Inventory([b"ghost-key"], True)))
         peer.send(encode(Ready(4)))
         for payload in payloads:

@@ -64,6 +64,7 @@ class Cluster:
         c = Client(self.config.connect_address("client"),
                    timeout=timeout or self.config.client.timeout_s,
                    curve=self.config.client.curve_keys())
+        c.use_kv(self.registration_tokens)  # the engine's KV caches, registered at start
         self.clients.append(c)
         return c
 
@@ -143,8 +144,10 @@ def make_config(instance: str, run_dir: Path, **sections: Any) -> Config:
         "instance": instance,
         "run_dir": str(run_dir),
         "cpu": {"num_blocks": 16, "page_size": 1024, "world_size": 1},
+        # One client may hold the whole (tiny) CPU tier: the tests that need two
+        # clients' shares say so (`owner_share`).
         "broker": {"heartbeat_s": 0.5, "job_timeout_s": 10.0, "tick_ms": 2.0,
-                   "drain_timeout_s": 3.0},
+                   "drain_timeout_s": 3.0, "owner_share": 1.0},
         "client": {"timeout_s": 10.0},
         "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
         "worker": {"device": "cpu"},

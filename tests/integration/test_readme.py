@@ -71,26 +71,34 @@ def test_the_engine_copy_example_runs_as_written(tmp_path, instance):
 
 
 def test_the_s3_example_works_as_written(tmp_path, monkeypatch):
-    """The local endpoint command, the credentials line and the s3 entry, as the
-    README gives them (only the port is another, free one)."""
+    """The credentials line, the local endpoint command and the s3 entry, as the
+    README gives them (only the port is another, free one): the endpoint admits the
+    key pair the shell line makes, and the tier, reading the same variables, works."""
     from tierkv.tiers.registry import create_backend
 
-    (command,) = re.findall(r"^(python -m tierkv\.s3server --port (\d+))", README, flags=re.M)
-    (exports,) = re.findall(r"^export (.+?)\s+#", README, flags=re.M)
-    for pair in exports.split():
-        name, value = pair.split("=")
-        monkeypatch.setenv(name, value)
+    running = section("## Running a node")
+    (exports,) = re.findall(r"^(export .+?)\s+#", running, flags=re.M)
+    shell = subprocess.run(["bash", "-c", f"{exports}\nenv -0"], capture_output=True,
+                           timeout=30, check=True)
+    made = dict(v.split("=", 1) for v in shell.stdout.decode().split("\0") if "=" in v)
+    names = re.findall(r"(\w+)=", exports)
+    for name in names:
+        monkeypatch.setenv(name, made[name])
+    assert len(made[names[1]]) >= 16  # a secret no other user can guess
+    (command,) = re.findall(r"^python -m tierkv\.s3server (.+?)\s*&", running, flags=re.M | re.S)
+    words = command.replace("\\\n", " ").split()
+    port = words[words.index("--port") + 1]
+    words[words.index("--port") + 1] = "0"  # any free port; it says which in its ready line
     (toml,) = [b for b in blocks("toml") if 'type = "s3"' in b]
     (entry,) = [t for t in tomllib.loads(toml)["tiers"] if t["type"] == "s3"]
-    argv = [sys.executable, *command[0].split()[1:]]
-    argv[-1] = "0"  # any free port; it says which in its ready line
-    server = spawn("readme-s3", argv, env=child_environment())
+    server = spawn("readme-s3", [sys.executable, "-m", "tierkv.s3server", *words],
+                   env=child_environment())
     try:
         wait_ready([server], 30)
-        port = int(server.ready_detail.split()[-1])
-        assert entry["endpoint_url"] == f"http://127.0.0.1:{command[1]}"
-        entry["endpoint_url"] = f"http://127.0.0.1:{port}"
-        _wait_http(port)
+        bound = int(server.ready_detail.split()[-1])
+        assert entry["endpoint_url"] == f"http://127.0.0.1:{port}"
+        entry["endpoint_url"] = f"http://127.0.0.1:{bound}"
+        _wait_http(bound)
         backend = create_backend(entry, block_bytes=4096, namespace="readme", name="s3")
         try:
             block = bytes(range(256)) * 16
@@ -109,7 +117,7 @@ def _wait_http(port: int) -> None:
     while True:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
         try:
-            conn.request("GET", "/moto-api/data.json")
+            conn.request("GET", "/")  # refused unsigned: an answer all the same
             conn.getresponse().read()
             return
         except OSError:
@@ -188,3 +196,44 @@ def test_every_subcommand_has_its_own_usage_and_description(command):
     assert out.stdout.startswith(f"usage: tierkv {command}")
     description = out.stdout.split("\n\n")[1]
     assert len(description) > 20 and not description.lstrip().startswith(("-", "options"))
+
+
+# What the documents send a reader to: relative links, backticked `*.md` paths, and any
+# other name of a document (a web address aside).
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+BACKTICKED_DOCUMENT = re.compile(r"`([^`\s]+\.md)`")
+WEB_ADDRESS = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+DOCUMENT_NAME = re.compile(r"[\w.-]+\.md\b")
+ELSEWHERE = re.compile(r"\b(?:DESIGN|CONVENTIONS)\.md\b")  # a steering repository's, once
+
+
+def documents() -> list[Path]:
+    return [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def unresolved(document: Path, text: str, names: set[str]) -> list[str]:
+    """What `document` points a reader at that is not in this repository."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+    bad = []
+    for target in LINK.findall(prose):
+        if re.match(r"[a-z][a-z0-9+.-]*:|#", target):
+            continue  # a web address, or a place on this page
+        path = target.split("#")[0]
+        if not (REPO / path[1:] if path.startswith("/") else document.parent / path).exists():
+            bad.append(f"link {target}")
+    for path in BACKTICKED_DOCUMENT.findall(prose):
+        if not ((REPO / path).is_file() or (document.parent / path).is_file()):
+            bad.append(f"`{path}`")
+    named = set(DOCUMENT_NAME.findall(WEB_ADDRESS.sub("", text))) | set(ELSEWHERE.findall(text))
+    bad.extend(f"{name}: no document of that name here" for name in sorted(named - names))
+    return bad
+
+
+def test_every_document_the_docs_send_readers_to_is_in_the_repository():
+    """A user or contributor has this repository, nothing more: the README once sent
+    them to a `DESIGN.md` and a `CONVENTIONS.md` of another one (issue 23.8)."""
+    docs = documents()
+    assert all(d.is_file() for d in docs), [str(d) for d in docs if not d.is_file()]
+    names = {d.name for d in docs}
+    problems = {str(d.relative_to(REPO)): unresolved(d, d.read_text(), names) for d in docs}
+    assert {d: p for d, p in problems.items() if p} == {}

@@ -34,14 +34,11 @@ from tests.integration.cluster import (
     store_when_room,
     wait_for,
 )
-from tests.tiers.fixtures_s3 import (  # noqa: F401 - fixtures
-    TEST_ENV,
-    FlakyEndpoint,
-    fixture_s3_server,
-    unique_bucket,
-)
+from tests.tiers.fixtures_s3 import FlakyEndpoint, s3_test_env, unique_bucket
 from tierkv.client import Lookup
 from tierkv.node.lifecycle import ChildFailed
+from tierkv.node.s3auth import KeyPair
+from tierkv.node.s3server import S3Server
 from tierkv.node.supervisor import Node
 
 
@@ -53,8 +50,7 @@ def s3_tier(endpoint_url: str, bucket: str, **options: Any) -> dict[str, Any]:
 
 def raw_client(endpoint_url: str) -> Any:
     return boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1",
-                        aws_access_key_id=TEST_ENV["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+                        aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET,
                         config=BotoConfig(s3={"addressing_style": "path"}))
 
 
@@ -105,6 +101,17 @@ def start_node(tmp_path_factory: Any, instance: str, tiers: list[dict[str, Any]]
         cluster.stop()
         raise
     return cluster, run_dir
+
+
+@pytest.fixture(scope="module", name="s3_server")
+def fixture_s3_server() -> Any:
+    """This module's endpoint: it admits only the key pair the nodes here read from
+    named variables (and the AWS chain, for a tier entry that names none)."""
+    with s3_test_env(), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        with S3Server(keys=KeyPair(KEY_ID, SECRET), ready_timeout_s=30) as server:
+            yield server
 
 
 @pytest.fixture(scope="module")

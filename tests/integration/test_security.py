@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import keys, leftovers, make_config
+from tests.integration.cluster import keys, leftovers
 from tierkv.client import BrokerUnavailable, Client
 from tierkv.core.shm import region_name
-from tierkv.node.config import dump_config
-from tierkv.node.lifecycle import ChildFailed, spawn, stop, wait_ready
 from tierkv.wire.sockets import CurveClientKeys, create_keys, ipc_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,24 +35,26 @@ def test_region_run_dir_and_sockets_are_owner_only(make_cluster):
         assert mode(f"/dev/shm{kv.segment}") == 0o600
 
 
-def start_broker(config, tmp_path: Path):  # noqa: ANN001, ANN201
-    path = tmp_path / "broker.toml"
-    path.write_text(dump_config(config))
-    return spawn("broker", [sys.executable, "-m", "broker", "-c", str(path)],
-                 env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def test_tcp_beyond_loopback_without_keys_refuses_to_start(instance, tmp_path):
-    config = make_config(instance, tmp_path / "run", tiers=[],
-                         broker={"client_address": "tcp://0.0.0.0:0"})
-    child = start_broker(config, tmp_path)
-    try:
-        with pytest.raises(ChildFailed) as e:
-            wait_ready([child], 30)
-        assert "reachable beyond loopback" in str(e.value) and "CurveZMQ" in str(e.value)
-    finally:
-        stop(child)
-    assert leftovers(tmp_path / "run", instance) == []
+def test_tcp_beyond_loopback_without_keys_is_refused_before_anything_starts(instance, tmp_path):
+    """Issue 23.4: the config check accepted it; `tierkv up` started the supervisor,
+    the broker created its shared memory and only then exited, naming a key that
+    does not exist (broker.curve_server_secret_file). Now every way in refuses it
+    first, naming the real keys, and nothing is made."""
+    run = tmp_path / "run"
+    path = tmp_path / "node.toml"
+    path.write_text(f'instance = "{instance}"\nrun_dir = "{run}"\n'
+                    f'[broker]\nclient_address = "tcp://0.0.0.0:0"\n')
+    for argv in (["-m", "tierkv.cli", "config", "-c"], ["-m", "tierkv.cli", "up", "-c"],
+                 ["-m", "tierkv.cli", "up", "--detach", "-c"], ["-m", "broker", "-c"]):
+        out = subprocess.run([sys.executable, *argv, str(path)], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2, (argv, out.stderr)
+        for said in ("broker.client_address", "reachable beyond loopback",
+                     "broker.curve_secret_file", "broker.curve_authorized_dir"):
+            assert said in out.stderr, (argv, out.stderr)
+        assert "curve_server_secret_file" not in out.stderr
+    assert not run.exists()
+    assert leftovers(run, instance) == []
 
 
 def free_port() -> int:
@@ -85,6 +86,7 @@ def test_curve_lets_keyed_peers_in_and_keeps_unkeyed_clients_out(instance, tmp_p
     loopback = f"tcp://127.0.0.1:{ports[0]}"
     # Keyed: the whole node (workers and tiers included) works over curve.
     c = Client(loopback, timeout=10, curve=cluster.config.client.curve_keys())
+    c.use_kv(cluster.registration_tokens)
     ks = keys(1, 2)
     cluster.fill(ks, [0, 1])
     store = c.store(ks, [0, 1])

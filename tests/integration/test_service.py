@@ -202,10 +202,11 @@ def test_a_lookup_can_pin_its_hits_in_the_same_pass(make_cluster, instance):
     assert found.statuses == ["hit", "hit", "hit", "miss"]
     assert found.rows[:3] == reserved.block_ids and found.rows[3] == -1
     assert found.region == reserved.region
-    # Pinned: a store that needs two blocks of four cannot evict them.
-    assert not c.reserve(keys(20, 21), "w2").ok
+    # Pinned: another engine's store that needs two blocks of four cannot evict them.
+    other = cluster.client()
+    assert not other.reserve(keys(20, 21), "w2").ok
     c.release(ks)
-    assert c.reserve(keys(20, 21), "w2").ok
+    assert other.reserve(keys(20, 21), "w2").ok
     with pytest.raises(ValueError, match="all pin"):
         c.batch().lookup(ks, "a", pin=True).lookup(ks, "b")
 

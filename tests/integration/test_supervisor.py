@@ -100,14 +100,17 @@ def node(tmp_path_factory):
                          supervisor={"broker_probe_s": 0.5, "broker_probe_misses": 3},
                          tiers=[{"type": "memory", "name": "mem", "capacity_blocks": 256}])
     proc = start_supervisor(config, run_dir / "node.toml.in")
-    kv = None
+    kv = engine = None
     try:
         wait_status(config, all_ready(config), proc)
         kv = allocate_kv_cache(instance, 0, KVLayout.blocks_outer(num_blocks=32, **LAYOUT))
-        with Client.from_config(config) as c:
-            c.register_kv(0, kv.registration())
-        yield config, proc, kv
+        # The engine's client lives as long as its KV cache: its registration is its own.
+        engine = Client.from_config(config)
+        engine.register_kv(0, kv.registration())
+        yield config, proc, kv, engine
     finally:
+        if engine is not None:
+            engine.close()
         code = stop_supervisor(proc)
         if kv is not None:
             kv.close()
@@ -115,10 +118,12 @@ def node(tmp_path_factory):
         assert leftovers(run_dir, instance) == []
 
 
-def round_trip(config: Config, kv, ks: list[bytes]) -> None:  # noqa: ANN001
+def round_trip(node, ks: list[bytes]) -> None:  # noqa: ANN001
+    config, _, kv, engine = node
     view = kv.tensors[0].view(32, -1)
     view[: len(ks)] = 7
     with Client.from_config(config) as c:
+        c.use_kv(engine.registration_tokens)
         store = c.store(ks, list(range(len(ks))))
         assert c.wait([store.job_id], timeout=30)[store.job_id].success
         view[: len(ks)] = 0
@@ -130,7 +135,7 @@ def round_trip(config: Config, kv, ks: list[bytes]) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("victim", ["tier:mem:0", "worker0"])
 def test_killed_child_is_restarted_and_the_node_keeps_serving(node, victim):
-    config, proc, kv = node
+    config, proc, kv, _ = node
     before = wait_status(config, all_ready(config), proc)
     old = child_pids(before)[victim]
     os.kill(old, signal.SIGKILL)
@@ -147,14 +152,14 @@ def test_killed_child_is_restarted_and_the_node_keeps_serving(node, victim):
                    and p.get("kv_attached", True) for p in peers):
                 break
             time.sleep(0.2)
-    round_trip(config, kv, keys(100 + len(victim), 200 + len(victim), prefix=victim.encode()[:4]))
+    round_trip(node, keys(100 + len(victim), 200 + len(victim), prefix=victim.encode()[:4]))
 
 
 def test_hung_broker_is_killed_and_restarted_by_the_probe(node):
     """A SIGSTOPped broker does not exit, so only the probe can notice it: after 3
     missed probes the supervisor kills that pid, restarts the broker, and the worker
     (with the engine's KV cache) and the tier say hello to the new one."""
-    config, proc, kv = node
+    config, proc, kv, _ = node
     old = child_pids(wait_status(config, all_ready(config), proc))["broker"]
     os.kill(old, signal.SIGSTOP)
     try:
@@ -173,11 +178,11 @@ def test_hung_broker_is_killed_and_restarted_by_the_probe(node):
                                           for p in stats["peers"]) == 2:
                 break
             time.sleep(0.2)
-    round_trip(config, kv, keys(300, 301, 302, prefix=b"hang"))
+    round_trip(node, keys(300, 301, 302, prefix=b"hang"))
 
 
 def test_metrics_answer_and_counters_move(node):
-    config, _, _ = node
+    config, _, _, _ = node
     url = f"http://127.0.0.1:{config.broker.metrics_port}/metrics"
 
     def lookups() -> float:
@@ -200,7 +205,7 @@ def test_metrics_answer_and_counters_move(node):
 
 
 def test_status_shows_processes_and_tiers(node, tmp_path):
-    config, _, _ = node
+    config, _, _, _ = node
     path = tmp_path / "c.toml"
     path.write_text(dump_config(config))
     out = subprocess.run([sys.executable, "-m", "tierkv.cli", "status", "-c", str(path)],
@@ -351,7 +356,7 @@ def test_status_computes_uptimes_now_not_when_the_status_file_was_written(node):
     read from it stands still."""
     from tierkv.node.status import gather, render
 
-    config, proc, _ = node
+    config, proc, _, _ = node
     wait_status(config, all_ready(config), proc)
     status = gather(config)
     now = time.time()
@@ -365,7 +370,7 @@ def test_a_refused_second_up_touches_nothing_of_the_running_node(node, tmp_path)
     run directory's node.toml and delete supervisor.json before it was refused. Two
     real `tierkv up`: one from the same run directory with other tiers, one from
     another run directory; both are refused and the running node is as it was."""
-    config, proc, _ = node
+    config, proc, _, _ = node
     status = wait_status(config, all_ready(config), proc)
     region = Path("/dev/shm") / f"tierkv.{config.instance}.cpu"
 

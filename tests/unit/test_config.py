@@ -52,7 +52,7 @@ def test_file_values_and_round_trip(tmp_path):
     ("cpu = 3\n", r"\[cpu\] must be a table"),
     ("[[tiers]]\nroot = '/x'\n", r"tiers\[0\] has no 'type'"),
     ("[[tiers]]\ntype = 'memory'\n[[tiers]]\ntype = 'memory'\n", r"'memory' is used twice"),
-    ("[[tiers]]\ntype = 'memory'\nprocesses = 0\n", r"tiers\[0\].processes must be"),
+    ("[[tiers]]\ntype = 'memory'\nprocesses = -1\n", r"tiers\[0\].processes must be"),
     ("[broker]\nheartbeat_s = -1\n", r"broker.heartbeat_s must be positive"),
     ("[worker]\ndevice = 'tpu'\n", r"worker.device must be auto, cpu or cuda"),
     ("log_level = 'loud'\n", r"log_level must be"),

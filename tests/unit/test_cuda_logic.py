@@ -1,15 +1,19 @@
 """The CUDA path's logic, on CPU: the batched-call builder against real host buffers,
 the choice of DMA path (and its fallbacks) against runtimes that lack calls, the
 completion threads driven by real threads, and the whole CUDA backend with its
-CUDA calls turned into host copies."""
+CUDA calls turned into host copies and its stream calls into a host model of
+stream order (which checks that copies wait for the caller's stream)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import select
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -227,63 +231,131 @@ def test_close_fails_what_did_not_finish_in_time():
 
 
 class HostRuntime:
-    """A CUDA runtime whose copies are memmoves (addresses are host addresses)."""
+    """A CUDA runtime whose copies are memmoves (addresses are host addresses); each
+    call is noted on `streams` with the stream it was queued on."""
 
     path = "host"
     version = 12080
 
-    def __init__(self, batch: bool, fail_batch: bool = False) -> None:
+    def __init__(self, batch: bool, fail_batch: bool = False,
+                 streams: HostStreams | None = None) -> None:
         self.has_batch, self.has_2d, self.fail_batch = batch, True, fail_batch
         self.calls = {"batch": 0, "2d": 0}
+        self.streams = streams
 
     def memcpy_batch(self, dsts, srcs, sizes, stream) -> None:  # noqa: ANN001
         if self.fail_batch:
             raise CudaCallError("cudaMemcpyBatchAsync", 801, "cudaErrorNotSupported")
         self.calls["batch"] += 1
+        self._note(stream)
         run_1d(Copies1D(dsts, srcs, sizes))
 
     def memcpy_2d(self, dst, dpitch, src, spitch, width, height, stream) -> None:  # noqa: ANN001
         self.calls["2d"] += 1
+        self._note(stream)
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
-
-class _Stream:
-    cuda_stream = 0
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def wait_event(self, event: object) -> None:
-        pass
+    def _note(self, handle: int) -> None:
+        if self.streams is not None:
+            self.streams.note("dma", self.streams.by_handle[handle])
 
 
-class _Event:
-    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
-        self.recorded = False
+@dataclass(eq=False)
+class HostStream:
+    """A stream on the host. `after`: the newest piece of the caller's work that
+    what is queued on it from now on would run after, on a device."""
 
-    def record(self, stream: object = None) -> None:
-        self.recorded = True
+    name: str
+    handle: int
+    after: int = 0
+
+
+@dataclass(eq=False)
+class HostEvent:
+    after: int = -1  # the `after` of the stream it was last recorded on; -1: never
 
     def synchronize(self) -> None:
-        assert self.recorded
+        assert self.after >= 0, "a job's end event was never recorded"
 
-    def elapsed_time(self, other: _Event) -> float:
-        return 0.5
+
+class HostStreams:
+    """The copy path's `StreamOps` on the host: torch ops run at once on CPU tensors,
+    and the order a device would enforce is tracked instead. The caller's stream
+    counts the pieces of work queued on it (`caller_queues`); a record copies a
+    stream's count into the event, a wait raises the stream's to the event's, as
+    CUDA's stream order and ``cudaStreamWaitEvent`` do. Each op queued (torch ops
+    inside `issue_on`, the runtime's DMA calls) is noted with its stream's count."""
+
+    def __init__(self) -> None:
+        self.by_handle: dict[int, HostStream] = {}
+        self.caller = self.new_stream(torch.device("cpu"), "caller")
+        self.queued: list[tuple[str, str, int]] = []  # (what, stream, after)
+
+    def caller_queues(self) -> int:
+        """The caller queues work on its current stream (the forward pass writing the
+        KV cache, a zeroing of blocks); returns its number."""
+        self.caller.after += 1
+        return self.caller.after
+
+    def note(self, what: str, stream: HostStream) -> None:
+        self.queued.append((what, stream.name, stream.after))
+
+    # -- StreamOps --------------------------------------------------------------------
+
+    def available(self) -> bool:
+        return True
+
+    def current_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def bind(self, device: torch.device) -> None:
+        pass
+
+    def on_device(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def new_stream(self, device: torch.device, name: str = "") -> HostStream:
+        stream = HostStream(name or f"stream{len(self.by_handle)}", len(self.by_handle) + 1)
+        self.by_handle[stream.handle] = stream
+        return stream
+
+    def current_stream(self, device: torch.device) -> HostStream:
+        return self.caller
+
+    def new_event(self, *, timing: bool = False, blocking: bool = False) -> HostEvent:
+        return HostEvent()
+
+    def record(self, event: HostEvent, stream: HostStream) -> None:
+        event.after = stream.after
+
+    def wait(self, stream: HostStream, event: HostEvent) -> None:
+        stream.after = max(stream.after, event.after)
+
+    @contextlib.contextmanager
+    def issue_on(self, stream: HostStream) -> Iterator[None]:
+        self.note("torch", stream)
+        yield
+
+    def handle(self, stream: HostStream) -> int:
+        return stream.handle
+
+    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def seconds(self, start: HostEvent, end: HostEvent) -> float:
+        assert start.after >= 0 and end.after >= 0
+        return 0.0005
 
 
 @pytest.fixture
 def host_cuda(monkeypatch):
-    """CudaBackend on CPU tensors: streams and events are no-ops, DMA is memmove."""
+    """CudaBackend on CPU tensors: its stream calls go to `HostStreams`, DMA is memmove,
+    pinning is noted."""
     import workers.gpu.copy_cuda as cc
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    ns = SimpleNamespace(CudaBackend=cc.CudaBackend, pinned=True, pins={"pin": [], "unpin": []})
+    ns = SimpleNamespace(pinned=True, pins={"pin": [], "unpin": []}, streams=HostStreams())
+    ns.CudaBackend = functools.partial(cc.CudaBackend, streams=ns.streams)
 
     def pin(ptr: int, size: int, device: int | None = None) -> Pinned:
         ns.pins["pin"].append(device)
@@ -368,4 +440,39 @@ def test_an_unpinned_region_is_refused_unless_allowed(instance, host_cuda):
         backend = host_cuda.CudaBackend(region, 0, device=torch.device("cpu"), runtime=None,
                                         allow_unpinned=True)
         assert backend.describe()["pinned"] is False
+        backend.close()
+
+
+def test_copies_are_ordered_after_the_work_the_caller_queued(instance, host_cuda):
+    """Inside vLLM a step's transfers are submitted right after its forward pass was
+    launched on the same thread, while the model may still be writing the KV cache
+    (and a zeroing of the blocks a load fills may still be queued). Every op of a job
+    that reads or writes the KV cache, and a store's DMA, must be ordered after what
+    the caller's current stream queued before the submit, whichever stream that is."""
+    layout = LAYOUTS["per_layer"]
+    streams = host_cuda.streams
+    with SharedRegion.create(instance, 20, layout.page_size) as region:
+        kv = OpenedKV.local([torch.randn(s).to(layout.torch_dtype())
+                             for s in layout.tensor_shapes], layout)
+        backend = host_cuda.CudaBackend(region, 0, staging_bytes=6 * layout.page_size,
+                                        device=torch.device("cpu"),
+                                        runtime=HostRuntime(True, streams=streams))
+        backend.attach(kv)
+        gpu, cpu = [5, 1, 9, 3, 7, 2, 11], [0, 1, 2, 3, 8, 9, 4]  # 3 chunks of 3 blocks
+        for job_id, direction in enumerate(("store", "load", "store", "load"), 1):
+            if job_id == 3:  # the engine's thread now runs on another stream
+                streams.caller = streams.new_stream(torch.device("cpu"), "caller2")
+            work = streams.caller_queues()  # the model writing, or a zeroing: still running
+            streams.queued.clear()
+            backend.submit(TransferJob(job_id, direction, gpu, cpu), np.array(gpu),
+                           np.array(cpu))
+            kernels = [after for what, _, after in streams.queued if what == "torch"]
+            dma = [after for what, _, after in streams.queued if what == "dma"]
+            assert len(kernels) == 4 and len(dma) == 3  # the index upload, 3 chunks each
+            assert min(kernels) >= work, f"job {job_id} ({direction}) queues copy work " \
+                "not ordered after the work the caller queued"
+            if direction == "store":
+                assert min(dma) >= work
+        assert backend._waiter.wait_idle(10)
+        assert [o.success for o in backend.poll()] == [True] * 4
         backend.close()

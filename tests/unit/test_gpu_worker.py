@@ -16,6 +16,7 @@ from tests.integration.cluster import make_config
 from tierkv.core.primary import PrimaryTier
 from tierkv.core.shm import SharedRegion, process_start_time
 from tierkv.core.tiering import TieringManager
+from tierkv.node.children import ChildRegistry
 from tierkv.node.config import ConfigError
 from tierkv.wire.protocol import WorkerHello, decode, encode
 from workers.gpu.pinning import Pinned
@@ -35,8 +36,10 @@ def test_device_argument_and_resolution_without_cuda():
 
 
 def test_pinned_state_travels_in_the_hello_to_the_broker_stats(tmp_path: Path):
+    token = ChildRegistry.new_token()
+    ChildRegistry(tmp_path).add(token, "worker0", os.getpid())  # as the supervisor records
     hello = WorkerHello(0, 1, os.getpid(), process_start_time(os.getpid()) or 0, "cuda:0",
-                        None, False)
+                        None, False, token=token)
     assert decode(encode(hello)) == hello
     assert decode(encode(WorkerHello(0, 1, 5))).pinned is None  # older workers, CPU workers
     config = make_config("pinstate", tmp_path, tiers=[])

@@ -4,7 +4,6 @@ verification, retries, the circuit breaker, budget, inventory and gc."""
 
 from __future__ import annotations
 
-import http.client
 import io
 import logging
 import os
@@ -16,7 +15,6 @@ import time
 import uuid
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import boto3
 import pytest
@@ -32,6 +30,7 @@ from tests.tiers.fixtures_s3 import (  # noqa: F401 - fixtures
 )
 from tierkv.core.blockformat import HEADER_SIZE, unpack_header
 from tierkv.core.errors import ErrorCode, TierError
+from tierkv.node.s3auth import KeyPair
 from tierkv.node.s3server import S3Server, check_loopback
 from tierkv.tiers.registry import TierConfigError, create_backend
 from workers.s3.backend import S3Backend
@@ -175,8 +174,9 @@ def test_credentials_from_named_environment_variables(s3_entry, monkeypatch):
                             secret_access_key_env="KV_T_SECRET")
     with pytest.raises(TierConfigError, match="KV_T_KEY.*not set"):
         S3Backend(block_bytes=BLOCK, **options)
-    monkeypatch.setenv("KV_T_KEY", "AKIDNAMEDENV")
-    monkeypatch.setenv("KV_T_SECRET", "named-env-secret")
+    # The endpoint admits only its own key pair: the named variables hold it.
+    monkeypatch.setenv("KV_T_KEY", TEST_ENV["AWS_ACCESS_KEY_ID"])
+    monkeypatch.setenv("KV_T_SECRET", TEST_ENV["AWS_SECRET_ACCESS_KEY"])
     backend = S3Backend(block_bytes=BLOCK, **options)
     try:
         assert "KV_T_SECRET" in backend.stats()["credentials"]
@@ -224,29 +224,17 @@ def test_wrong_endpoint_fails_the_start_fast(s3_entry, flaky):
     assert s3_entry["bucket"] in str(e.value)
 
 
-def enforce_auth(endpoint_url: str, actions_without_auth: str) -> None:
-    """Make the moto server check credentials ("0") or not ("inf")."""
-    url = urlsplit(endpoint_url)
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=5)
-    try:
-        conn.request("POST", "/moto-api/reset-auth", body=actions_without_auth.encode())
-        assert conn.getresponse().status == 200
-    finally:
-        conn.close()
-
-
-def test_refused_credentials_fail_the_start(s3_server, s3_entry):
-    """With IAM enforced, the dummy key is unknown to the server."""
+def test_refused_credentials_fail_the_start(s3_server, s3_entry, monkeypatch):
+    """The endpoint admits only its own key pair: another secret is refused."""
     bucket = unique_bucket("auth")
-    enforce_auth(s3_server.endpoint_url, "0")
-    try:
-        with pytest.raises(TierError) as e:
-            S3Backend(**entry_options(s3_entry, bucket=bucket))
-    finally:
-        enforce_auth(s3_server.endpoint_url, "inf")
+    monkeypatch.setenv("TIERKV_TEST_KEY", TEST_ENV["AWS_ACCESS_KEY_ID"])
+    monkeypatch.setenv("TIERKV_TEST_SECRET", "not-the-endpoint-secret")
+    with pytest.raises(TierError) as e:
+        S3Backend(**entry_options(s3_entry, bucket=bucket, access_key_id_env="TIERKV_TEST_KEY",
+                                  secret_access_key_env="TIERKV_TEST_SECRET"))
     assert "credentials were refused" in str(e.value) and bucket in str(e.value)
     assert s3_server.endpoint_url in str(e.value)
-    assert TEST_ENV["AWS_SECRET_ACCESS_KEY"] not in str(e.value)
+    assert "not-the-endpoint-secret" not in str(e.value)
 
 
 # -- objects ---------------------------------------------------------------------------
@@ -480,10 +468,29 @@ def debug_logs():
         logging.getLogger(name).setLevel(level)
 
 
-def test_secrets_never_in_logs_errors_repr_or_stats(s3_entry, flaky, monkeypatch, debug_logs):
+def test_secrets_never_in_logs_errors_repr_or_stats(s3_entry, monkeypatch, debug_logs):
     secret, key_id = f"SeCrEt-{uuid.uuid4().hex}", f"AKID{uuid.uuid4().hex[:16].upper()}"
     monkeypatch.setenv("KV_SECRET_T", secret)
     monkeypatch.setenv("KV_KEY_T", key_id)
+    # An endpoint of its own: it admits only its key pair, and this is the one.
+    with S3Server(keys=KeyPair(key_id, secret)) as server:
+        flaky = FlakyEndpoint(server.endpoint_url).up()
+        try:
+            seen, options = _use_and_fail(s3_entry, flaky, server)
+        finally:
+            flaky.close()
+    with pytest.raises(TierError) as e:
+        S3Backend(block_bytes=BLOCK, **{**options, "bucket": unique_bucket("nope")})
+    seen.append(str(e.value))
+    logged = "\n".join(debug_logs)
+    assert "circuit open" in logged and "corrupt" in logged  # the logs did capture
+    for text in [*seen, logged]:
+        assert secret not in text and key_id not in text
+
+
+def _use_and_fail(s3_entry: dict[str, Any], flaky: FlakyEndpoint,
+                  server: S3Server) -> tuple[list[str], dict[str, Any]]:
+    """Store, load, corrupt, and fail every way a backend can; what it said."""
     options = entry_options(s3_entry, access_key_id_env="KV_KEY_T", max_attempts=1,
                             secret_access_key_env="KV_SECRET_T", breaker_failures=2,
                             endpoint_url=flaky.endpoint_url, budget_bytes=2 * (HEADER_SIZE + BLOCK))
@@ -493,7 +500,8 @@ def test_secrets_never_in_logs_errors_repr_or_stats(s3_entry, flaky, monkeypatch
         for n in range(3):
             backend.store(key(n), memoryview(payload(n)))
         backend.load(key(2), memoryview(bytearray(BLOCK)))
-        raw_client(s3_server_url(flaky)).put_object(
+        boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
+                     **server.boto_keys).put_object(
             Bucket=backend.bucket, Key=backend.object_name(key(2)), Body=b"junk")
         for probe in (lambda: backend.load(key(2), memoryview(bytearray(BLOCK))),
                       lambda: backend.load(key(9), memoryview(bytearray(BLOCK)))):
@@ -509,17 +517,7 @@ def test_secrets_never_in_logs_errors_repr_or_stats(s3_entry, flaky, monkeypatch
         seen += [repr(backend), str(backend.stats())]
     finally:
         backend.close()
-    with pytest.raises(TierError) as e:
-        S3Backend(block_bytes=BLOCK, **{**options, "bucket": unique_bucket("nope")})
-    seen.append(str(e.value))
-    logged = "\n".join(debug_logs)
-    assert "circuit open" in logged and "corrupt" in logged  # the logs did capture
-    for text in [*seen, logged]:
-        assert secret not in text and key_id not in text
-
-
-def s3_server_url(flaky: FlakyEndpoint) -> str:
-    return f"http://{flaky.target[0]}:{flaky.target[1]}"
+    return seen, options
 
 
 # -- gc --------------------------------------------------------------------------------

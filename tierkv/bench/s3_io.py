@@ -38,7 +38,7 @@ from tierkv.tiers.base import Job, JobKind  # noqa: E402
 from tierkv.tiers.runner import JobRunner  # noqa: E402
 
 KEYS_PER_JOB = 32
-ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "tierkv-bench-placeholder",
        "AWS_EC2_METADATA_DISABLED": "true"}
 
 
@@ -206,8 +206,9 @@ def table(rows: list[Row], threads: int, repeat: int) -> str:
 
 
 def use_placeholder_credentials() -> None:
-    """boto3 wants credentials; a local moto server takes any. Real ones set in the
-    environment are left as they are."""
+    """boto3 wants credentials, and a local endpoint started here admits the ones in
+    the environment (`S3Server`). Real ones set in the environment are left as they
+    are."""
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
 

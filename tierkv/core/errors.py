@@ -20,6 +20,9 @@ class ErrorCode(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # the peer or endpoint is gone
     BAD_REQUEST = "bad_request"  # the caller sent something invalid
     PROTOCOL = "protocol"  # a malformed message
+    NOT_OWNER = "not_owner"  # the state named belongs to another client (or to none)
+    EXPIRED = "expired"  # the reservation or pin passed its deadline and was ended
+    QUOTA = "quota"  # the client holds its share of the CPU tier already
 
 
 # Failures that mean a tier does not hold the key (any more), as opposed to a dead

@@ -91,6 +91,9 @@ class Leases:
         for req_id in list(self._leases):
             self.end(req_id)
 
+    def requests(self) -> list[ReqId]:
+        return list(self._leases)
+
     def held_keys(self) -> Iterator[OffloadKey]:
         """Every leased block, once per lease that holds it (each owes one reader)."""
         for lease in self._leases.values():

@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
 
-from tierkv.core.keys import OffloadEvent, OffloadKey
+from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey
 from tierkv.core.policies import CachePolicy, make_policy
 from tierkv.core.policies.hints import RequestHints
 from tierkv.core.reuse import ReuseFilter
+
+# The prefix of a withdrawn block's placeholder key (see `PrimaryTier.withdraw`).
+WITHDRAWN = b"\x00withdrawn".ljust(MAX_KEY_LEN + 1, b"\x00")
 
 
 class BlockStateError(RuntimeError):
@@ -208,6 +211,19 @@ class PrimaryTier:
                 heapq.heappush(self._free, block.block_id)
             self._counters["stores_failed"] += len(changed)
         return changed
+
+    def withdraw(self, key: OffloadKey) -> OffloadKey:
+        """Take a block in `writing` away from its key but keep its row: the key is
+        absent (a miss, not pending) while a late writer may still write the row.
+        Returns the placeholder that holds the row; `complete_store(placeholder,
+        False)` frees it. Placeholders are longer than any key a client can name."""
+        block = self._blocks.get(key)
+        if block is None or block.state is not State.WRITING:
+            raise BlockStateError(f"withdraw: key {key.hex()} is not being written")
+        placeholder = WITHDRAWN + block.block_id.to_bytes(4, "big")
+        del self._blocks[key]
+        self._blocks[placeholder] = block
+        return placeholder
 
     # -- readers -----------------------------------------------------------------
 

@@ -312,6 +312,15 @@ class TieringManager:
                 self.primary.complete_store(keys, success=False)
                 self._counters["promotions_cancelled"] += len(keys)
 
+    def finish_all(self, prefix: str) -> int:
+        """Finish every request whose id starts with `prefix` (a client that ended:
+        its leases and unsent promotions go). Returns how many."""
+        requests = {r for r in self.leases.requests() if r.startswith(prefix)}
+        requests.update(r for _, r in self._queued_promotions if r and r.startswith(prefix))
+        for req_id in requests:
+            self.finish(req_id)
+        return len(requests)
+
     def step(self) -> None:
         """End the step: apply completions (once), expire leases, flush jobs."""
         self._poll_once()

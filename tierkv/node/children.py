@@ -3,14 +3,22 @@ one (fencing).
 
 A peer's hello names a pid, but a claim is not evidence: anyone who can reach the
 broker's sockets could name any process. So the supervisor gives each child a
-random token (in its environment, read once at start) and records, owner-only in
-the run directory, the token with the pid and start time it saw itself. The broker
-fences a peer by signal only if the peer's token is recorded there with the pid
-and start time the process has now; any other peer is never signalled.
+random token and records, owner-only in the run directory, a digest of the token
+with the child's name and the pid and start time it saw itself. The broker trusts
+a peer (admits it, and may fence it by signal) only if its token's digest is
+recorded there, and then takes the pid and start time from the record, never from
+the claim; any other peer is never signalled.
+
+The token travels over the secret pipe of `tierkv.node.lifecycle` (read once at
+start, then gone), not the environment: a process's environment stays readable
+in /proc for its whole life to every process of its user, and is inherited by the
+processes it starts. The record holds only digests, so reading it (it is the
+supervisor's and the broker's, but any process of the user could) yields no token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -19,15 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierkv.core.shm import process_start_time
+from tierkv.node.lifecycle import take_secrets
 
-TOKEN_ENV = "TIERKV_PEER_TOKEN"
+TOKEN_SECRET = "peer_token"  # this process's token, in the secrets its parent handed it
 FILE_NAME = "children.json"
 
 
 def take_token() -> str:
-    """This process's token, taken out of the environment so that its own children
-    do not inherit it ("" when started by hand)."""
-    return os.environ.pop(TOKEN_ENV, "")
+    """The token the supervisor handed this process over its secret pipe ("" when
+    started by hand)."""
+    return take_secrets().get(TOKEN_SECRET, "")
+
+
+def token_digest(token: str) -> str:
+    """What the record keeps of a token: enough to check one, nothing to present."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class ChildRegistry:
     def add(self, token: str, name: str, pid: int) -> None:
         start_time = process_start_time(pid) or 0
         with self._lock:
-            self._children[token] = StartedChild(name, pid, start_time)
+            self._children[token_digest(token)] = StartedChild(name, pid, start_time)
             self._write()
 
     def remove_pid(self, pid: int) -> None:
@@ -74,18 +88,49 @@ class ChildRegistry:
         tmp.replace(self.path)
 
 
+def child_by_token(run_dir: Path, token: str) -> StartedChild | None:
+    """The child this node's supervisor started and gave `token` to, if it still runs
+    as that very process (its recorded pid, with the recorded start time); None for
+    any other token. Pid and start time come from the record, never from a claim."""
+    if not token:
+        return None
+    try:
+        data = json.loads((run_dir / FILE_NAME).read_text())
+        name, pid, start_time = data[token_digest(token)]
+        child = StartedChild(str(name), int(pid), int(start_time))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if child.pid <= 0 or not child.start_time:
+        return None
+    return child if process_start_time(child.pid) == child.start_time else None
+
+
 def verified_child(run_dir: Path, token: str, pid: int, start_time: int) -> bool:
     """Is (pid, start_time) a process this node's supervisor started and gave
     `token` to, still running as that very process?"""
-    if not token or pid <= 0:
+    child = child_by_token(run_dir, token)
+    if child is None or child.pid != pid:
         return False
+    return not start_time or start_time == child.start_time
+
+
+def tier_secret(path: Path, create: bool = True) -> str:
+    """The tier secret: what a tier process started outside the supervisor proves in
+    its hello. Made (0600, random) by the broker when the file does not exist; a file
+    other users could read, or that belongs to another user, is refused."""
+    if create and not path.exists():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
     try:
-        data = json.loads((run_dir / FILE_NAME).read_text())
-        name, recorded_pid, recorded_start = data[token]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    if recorded_pid != pid or not recorded_start:
-        return False
-    if start_time and start_time != recorded_start:
-        return False
-    return process_start_time(pid) == recorded_start
+        st = path.stat()
+    except FileNotFoundError:
+        return ""
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"tier secret file {path} must belong to this user with mode "
+                              f"0600 (it is {oct(st.st_mode & 0o777)})")
+    return path.read_text().strip()

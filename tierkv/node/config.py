@@ -32,7 +32,7 @@ from typing import Any
 
 from tierkv.core.policies import known_policies
 from tierkv.tiers.registry import TierOptionError, check_tier_entry
-from tierkv.wire.sockets import CurveClientKeys
+from tierkv.wire.sockets import CurveClientKeys, is_loopback
 
 
 class ConfigError(ValueError):
@@ -85,6 +85,18 @@ class BrokerConfig:
     curve_secret_file: str = doc("", "CurveZMQ: the broker's secret key file (`tierkv "
                                  "keygen`); required for a tcp address beyond loopback")
     curve_authorized_dir: str = doc("", "CurveZMQ: a directory of the public keys let in")
+    owner_timeout_s: float = doc(30.0, "a client silent this long is gone: its reservations "
+                                 "are aborted, its pins, leases and KV registrations released "
+                                 "(the client library pings while idle)")
+    reservation_s: float = doc(60.0, "a reserved block not committed by then is withdrawn (a "
+                               "miss for every lookup); reserving it again renews it")
+    pin_s: float = doc(300.0, "a pinned block not released by then is released; pinning it "
+                       "again renews it")
+    owner_share: float = doc(0.5, "the share of cpu.num_blocks one client may hold reserved "
+                             "and pinned at once (0..1]")
+    tier_secret_file: str = doc("", "the secret a tier process started outside the supervisor "
+                                "proves in its hello (mode 0600); empty: tier.secret in the "
+                                "run directory, made by the broker")
 
 
 @dataclass
@@ -186,6 +198,11 @@ class Config:
             if address.startswith(wildcard):
                 return loopback + address[len(wildcard):]
         return address
+
+    @property
+    def tier_secret_path(self) -> Path:
+        """The file whose secret a tier process started by hand proves in its hello."""
+        return Path(self.broker.tier_secret_file or self.run_path / "tier.secret")
 
     @property
     def tier_names(self) -> list[str]:
@@ -297,9 +314,12 @@ def _check(c: Config) -> None:
             f"x page_size x world_size = {size / 2**30:.1f} GiB of shared memory, "
             f"more than this machine has ({limit / 2**30:.1f} GiB in /dev/shm)",
         )
-    for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s", "lease_s"):
+    for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s", "lease_s",
+                "owner_timeout_s", "reservation_s", "pin_s"):
         if getattr(c.broker, key) <= 0:
             fail(f"broker.{key}", "must be positive")
+    if not 0 < c.broker.owner_share <= 1:
+        fail("broker.owner_share", f"must be in (0, 1], got {c.broker.owner_share}")
     if c.broker.events_address and not c.broker.events_address.startswith(("ipc://", "tcp://")):
         fail("broker.events_address", f"must be an ipc:// or tcp:// address, got "
              f"{c.broker.events_address!r}")
@@ -315,6 +335,14 @@ def _check(c: Config) -> None:
         fail("supervisor.broker_probe_misses", "must be >= 1")
     if bool(c.broker.curve_secret_file) != bool(c.broker.curve_authorized_dir):
         fail("broker.curve_secret_file", "and broker.curve_authorized_dir go together")
+    for key in ("client_address", "worker_address", "tier_address", "events_address"):
+        address = getattr(c.broker, key)
+        if address and not c.broker.curve_secret_file and not is_loopback(address):
+            # Refused here, before anything starts, not by the broker once it has
+            # created the node's shared memory.
+            fail(f"broker.{key}", f"= {address!r} is reachable beyond loopback: set "
+                 f"broker.curve_secret_file and broker.curve_authorized_dir (CurveZMQ keys: "
+                 f"`tierkv keygen`), or bind to 127.0.0.1, ::1 or ipc://")
     if bool(c.client.curve_secret_file) != bool(c.client.curve_server_public_file):
         fail("client.curve_secret_file", "and client.curve_server_public_file go together")
     if c.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -4,7 +4,14 @@ A parent (the supervisor, or a test fixture) starts each child with two pipes:
 - a ready pipe: the child writes one line when it is serving, so the parent can
   wait for readiness and for the child's exit together and fail fast on a crash;
 - a lifeline: the parent holds the write end; when the parent dies, for any
-  reason, the child reads EOF and stops by itself. No orphans.
+  reason, the child reads EOF and stops by itself. No orphans;
+- a secret pipe, when the parent has secrets for the child (a peer's token, the
+  local S3 endpoint's key pair): written and closed by the parent before the child
+  runs, read once by the child at start. Not the environment: a process's
+  environment stays readable in /proc/<pid>/environ for its whole life (to every
+  process of its user) and is inherited by its own children; not argv, which every
+  user can read. Once read the pipe is gone, and nothing of the secret is left
+  anywhere but in the child's memory.
 The fds travel in environment variables, so the same child runs by hand without
 them.
 """
@@ -12,13 +19,15 @@ them.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import select
+import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +37,9 @@ from tierkv.node.logs import read_lines
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 READY_FD_ENV = "TIERKV_READY_FD"
 LIFELINE_FD_ENV = "TIERKV_LIFELINE_FD"
+SECRETS_FD_ENV = "TIERKV_SECRETS_FD"
+SECRETS_MAX_BYTES = 16384  # far below a pipe's buffer: the parent's write never blocks
+SECRETS_WAIT_S = 10.0  # a child waits this long at most for its parent to hand them over
 
 log = logging.getLogger("tierkv.node.lifecycle")
 
@@ -45,6 +57,57 @@ def notify_ready(detail: str = "") -> None:
         os.close(int(fd))
     except OSError:
         pass
+
+
+_secrets: dict[str, str] | None = None
+
+
+def take_secrets() -> dict[str, str]:
+    """The secrets the parent handed this process (empty when started by hand, or
+    by a parent that had none). The pipe is read once, at the first call, and
+    closed; later calls return the same map."""
+    global _secrets
+    if _secrets is None:
+        _secrets = _read_secrets(os.environ.pop(SECRETS_FD_ENV, None))
+    return dict(_secrets)
+
+
+def _read_secrets(fd_text: str | None) -> dict[str, str]:
+    """Read the secret pipe to its end. Only a pipe is read (a stale variable naming
+    some other fd, a terminal say, is ignored), and only for SECRETS_WAIT_S: the
+    parent writes right after it recorded the child, and closes."""
+    if fd_text is None:
+        return {}
+    try:
+        fd = int(fd_text)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return {}
+    except (ValueError, OSError):
+        return {}
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + SECRETS_WAIT_S
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                return {}  # the parent never finished: no secrets rather than a hang
+            chunk = os.read(fd, SECRETS_MAX_BYTES)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError:
+        return {}
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        secrets = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return {}
+    if not isinstance(secrets, dict):
+        return {}
+    return {str(k): str(v) for k, v in secrets.items()}
 
 
 def lifeline_fd() -> int | None:
@@ -118,27 +181,61 @@ def spawn(
     log_lines: int = 40,
     echo: bool = False,
     sink: Callable[[str], None] | None = None,
+    secrets: Mapping[str, str] | None = None,
+    on_started: Callable[[int], None] | None = None,
 ) -> Child:
     """Start a child with a ready pipe and a lifeline; its output is kept (and
     echoed to our stderr if `echo`, and handed line by line to `sink`: the node's
-    log). Each line is cut to `tierkv.node.logs.LINE_BYTES`."""
+    log). Each line is cut to `tierkv.node.logs.LINE_BYTES`. `secrets` reach the
+    child over a pipe (`take_secrets`), never its environment or command line;
+    `on_started(pid)` runs before they are written, so whatever it records about the
+    child (the supervisor's registry) exists before the child can present them."""
+    data = json.dumps(dict(secrets)).encode() if secrets else b""
+    if len(data) > SECRETS_MAX_BYTES:
+        raise ValueError(f"secrets of {len(data)} bytes: at most {SECRETS_MAX_BYTES}")
     ready_r, ready_w = os.pipe()
     life_r, life_w = os.pipe()
     os.set_inheritable(ready_w, True)
     os.set_inheritable(life_r, True)
     child_env = dict(os.environ if env is None else env)
+    child_env.pop(SECRETS_FD_ENV, None)  # never an fd of ours that the child lacks
     child_env[READY_FD_ENV] = str(ready_w)
     child_env[LIFELINE_FD_ENV] = str(life_r)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    passed = [ready_w, life_r]
+    secrets_w: int | None = None
+    if data:
+        secrets_r, secrets_w = os.pipe()
+        os.set_inheritable(secrets_r, True)
+        passed.append(secrets_r)
+        child_env[SECRETS_FD_ENV] = str(secrets_r)
     try:
         proc = subprocess.Popen(
-            list(argv), env=child_env, pass_fds=(ready_w, life_r),
+            list(argv), env=child_env, pass_fds=tuple(passed),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a ^C to the parent's group reaches the parent only
         )
+    except BaseException:
+        if secrets_w is not None:
+            os.close(secrets_w)
+        raise
     finally:
-        os.close(ready_w)
-        os.close(life_r)
+        for fd in passed:
+            os.close(fd)
+    try:
+        if on_started is not None:
+            on_started(proc.pid)
+        if secrets_w is not None:
+            os.write(secrets_w, data)  # fits the pipe's buffer: never blocks
+    except BaseException:
+        proc.kill()  # nobody would own it
+        proc.wait()
+        for fd in (ready_r, life_w):
+            os.close(fd)
+        raise
+    finally:
+        if secrets_w is not None:
+            os.close(secrets_w)  # the child reads to EOF: an early close hands it nothing
     child = Child(name, list(argv), proc, ready_r, life_w, time.monotonic())
     child.log_lines = collections.deque(maxlen=log_lines)
     child._reader = threading.Thread(target=_pump, args=(child, echo, sink), daemon=True,

@@ -1,19 +1,26 @@
-"""A local S3 endpoint (moto) as a child process, on loopback only.
+"""A local S3 endpoint (moto) as a child process, on loopback only: for demos and
+tests. Production runs against a real S3 (AWS, MinIO, Ceph RGW).
 
 The embedded default of the demo and every S3 test talk HTTP to a real endpoint:
-a `moto` server in its own process. `S3Server` starts it with the supervisor's
-ready pipe and lifeline (`tierkv.node.lifecycle`): the child binds port 0 itself and
-reports the port it got, so there is no race for a "free" port, and it stops by
-itself if its parent dies, so a crashed test leaves no server behind. The parent
-then polls the HTTP endpoint until it answers, and stops the child by pid
-(SIGTERM, then SIGKILL).
+a `moto` server in its own process. It admits only requests signed with the one
+key pair it was given (`tierkv.node.s3auth`): other users on the host, and any
+process without the secret, can neither list, read nor write its buckets.
 
-    with S3Server() as server:
-        client = boto3.client("s3", endpoint_url=server.endpoint_url, ...)
+`S3Server` starts it with the supervisor's ready pipe and lifeline
+(`tierkv.node.lifecycle`): the child binds port 0 itself and reports the port it
+got, so there is no race for a "free" port, and it stops by itself if its parent
+dies, so a crashed test leaves no server behind. The parent then polls the HTTP
+endpoint until it answers, and stops the child by pid (SIGTERM, then SIGKILL).
 
-The child side is `python -m tierkv.node.s3server [--host 127.0.0.1] [--port 0]`.
-Only loopback addresses are accepted: this endpoint has no authentication.
-Importing this module costs nothing; moto is imported in the child only.
+    with S3Server() as server:   # the key pair: AWS_ACCESS_KEY_ID/..._SECRET_... or new
+        client = boto3.client("s3", endpoint_url=server.endpoint_url, **server.boto_keys)
+
+The key pair reaches the child over its secret pipe (`tierkv.node.lifecycle`), never
+its command line or environment. The child side by hand is `python -m
+tierkv.node.s3server [--host 127.0.0.1] [--port 0]`, with the key pair in the
+environment variables `--access-key-id-env` and `--secret-access-key-env` name.
+Only loopback addresses are accepted. Importing this module costs nothing; moto is
+imported in the child only.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import http.client
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -37,12 +45,16 @@ from tierkv.node.lifecycle import (
     parent_gone,
     spawn,
     stop,
+    take_secrets,
     wait_ready,
 )
+from tierkv.node.s3auth import KeyPair
 
 log = logging.getLogger("tierkv.s3")
 
 LOOPBACK = ("127.0.0.1", "::1")
+KEY_ID_SECRET, KEY_SECRET_SECRET = "s3_access_key_id", "s3_secret_access_key"  # secret pipe
+ENV_KEY_ID, ENV_SECRET = "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"
 
 
 class S3ServerError(RuntimeError):
@@ -74,6 +86,19 @@ def port_from_ready(detail: str) -> int:
     return int(detail.split()[-1])
 
 
+def new_keys() -> KeyPair:
+    """A fresh random key pair, for an endpoint whose clients are told it."""
+    return KeyPair("tierkv-" + secrets.token_hex(8), secrets.token_urlsafe(30))
+
+
+def keys_from_env(env: Mapping[str, str] = os.environ, key_id: str = ENV_KEY_ID,
+                  secret: str = ENV_SECRET) -> KeyPair | None:
+    """The key pair in these environment variables, None when either is unset."""
+    if env.get(key_id) and env.get(secret):
+        return KeyPair(env[key_id], env[secret])
+    return None
+
+
 class S3Server:
     """A moto S3 server process owned by this object (and context manager)."""
 
@@ -87,9 +112,14 @@ class S3Server:
         env: Mapping[str, str] | None = None,
         name: str = "s3server",
         sink: Callable[[str], None] | None = None,
+        keys: KeyPair | None = None,
     ) -> None:
-        """`sink` receives each line the endpoint logs (a node's log file)."""
+        """`sink` receives each line the endpoint logs (a node's log file). `keys`:
+        the only key pair the endpoint admits; by default the one in this process's
+        AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (so that clients reading those
+        find it), else a new random one (see `boto_keys`)."""
         self.host = check_loopback(host)
+        self.keys = keys or keys_from_env() or new_keys()
         self.requested_port = port
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -109,6 +139,12 @@ class S3Server:
         return f"http://{_url_host(self.host)}:{self.port}"
 
     @property
+    def boto_keys(self) -> dict[str, str]:
+        """The key pair as boto3.client / Session keyword arguments."""
+        return {"aws_access_key_id": self.keys.access_key_id,
+                "aws_secret_access_key": self.keys.secret_access_key}
+
+    @property
     def pid(self) -> int | None:
         return self.child.pid if self.child is not None else None
 
@@ -122,7 +158,9 @@ class S3Server:
         argv = server_argv(self.python, self.host, self.requested_port)
         env = child_environment(self.extra_env)
         deadline = time.monotonic() + self.ready_timeout_s
-        self.child = spawn(self.name, argv, env=env, sink=self.sink)
+        self.child = spawn(self.name, argv, env=env, sink=self.sink,
+                           secrets={KEY_ID_SECRET: self.keys.access_key_id,
+                                    KEY_SECRET_SECRET: self.keys.secret_access_key})
         try:
             wait_ready([self.child], self.ready_timeout_s)
             self.port = port_from_ready(self.child.ready_detail)
@@ -137,7 +175,8 @@ class S3Server:
         return self
 
     def _poll_http(self, deadline: float) -> None:
-        """Ready means it answers HTTP, not just that the socket is bound."""
+        """Ready means it answers HTTP, not just that the socket is bound (an
+        unsigned request is refused: an answer all the same)."""
         assert self.port is not None
         last = ""
         while time.monotonic() < deadline:
@@ -145,7 +184,7 @@ class S3Server:
                 raise S3ServerError(f"the local S3 endpoint exited: {self._tail()}")
             conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
             try:
-                conn.request("GET", "/moto-api/data.json")
+                conn.request("GET", "/")
                 conn.getresponse().read()
                 return
             except OSError as e:
@@ -216,19 +255,29 @@ def _watch_lifeline(stopped: threading.Event) -> None:
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
-def serve(host: str, port: int) -> int:
-    """Run a moto S3 server until SIGTERM/SIGINT or the parent's death."""
+def serve(host: str, port: int, keys: KeyPair) -> int:
+    """Run a moto S3 server that admits only requests signed with `keys` until
+    SIGTERM/SIGINT or the parent's death."""
     check_loopback(host)
     # A request log line per block would swamp the supervisor's log buffer.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    from moto.server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    from tierkv.node.s3auth import SignedOnly
 
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
-    server = ThreadedMotoServer(host, port, verbose=False)
-    server.start()
-    bound = server.get_host_and_port()[1]
+    # moto's ThreadedMotoServer, with every request checked before moto sees it.
+    app = SignedOnly(DomainDispatcherApplication(create_backend_app), keys)
+    server = make_server(host, port, app, threaded=True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, name="s3-endpoint", daemon=True).start()
+    bound = server.server_address[1]
     _watch_lifeline(stopped)
     notify_ready(f"s3 endpoint port {bound}")
     log.info("local S3 endpoint on http://%s:%d", _url_host(host), bound)
@@ -245,11 +294,28 @@ def main(argv: list[str] | None = None) -> int:
                                      description="a local S3 endpoint (moto) on loopback")
     parser.add_argument("--host", default="127.0.0.1", choices=LOOPBACK)
     parser.add_argument("--port", type=int, default=0, help="0: any free port (reported)")
+    parser.add_argument("--access-key-id-env", default=ENV_KEY_ID, metavar="NAME",
+                        help=f"the variable holding the access key id (default {ENV_KEY_ID})")
+    parser.add_argument("--secret-access-key-env", default=ENV_SECRET, metavar="NAME",
+                        help=f"the variable holding the secret key (default {ENV_SECRET})")
     args = parser.parse_args(argv)
     from tierkv.node.logs import setup_logging
 
     setup_logging("s3server")
-    return serve(args.host, args.port)
+    given = take_secrets()  # from a parent (S3Server): never the environment
+    try:
+        if KEY_ID_SECRET in given:
+            keys: KeyPair | None = KeyPair(given[KEY_ID_SECRET], given.get(KEY_SECRET_SECRET, ""))
+        else:
+            keys = keys_from_env(os.environ, args.access_key_id_env, args.secret_access_key_env)
+    except ValueError as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 2
+    if keys is None:
+        print(f"{parser.prog}: set {args.access_key_id_env} and {args.secret_access_key_env}: "
+              f"the endpoint admits only requests signed with that key pair", file=sys.stderr)
+        return 2
+    return serve(args.host, args.port, keys)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,38 @@
-"""`tierkv status`: a table of a running node, from the broker's stats and the
-supervisor's status file.
+"""`tierkv status`: a running node's processes and tiers, from the broker's stats
+and the supervisor's status file, as a table or as JSON (`report`).
 
 The status file is written when something changes, and its writer may have been
 killed since: it records start times, not durations, and each pid with its start
-time in clock ticks. So uptimes are computed now, and a process is called running
-only if its pid is alive and still the process that was started (a pid is reused).
+time in clock ticks. So nothing is printed as the file says it: uptimes are
+computed now, and a process is called running only if its pid is alive and still
+the process that was started (a pid is reused). The table and the JSON are two
+renderings of one checked report, stamped `checked_at`; the file's own facts
+(restarts, exit codes it saw) say when it was `written`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from tierkv.client import BrokerUnavailable, Client
 from tierkv.core.shm import process_start_time
 from tierkv.node.config import Config
 
+STATUS_FILE = "supervisor.json"
+
+
+def status_file(config: Config) -> Path:
+    return config.run_path / STATUS_FILE
+
 
 def gather(config: Config, timeout: float = 3.0) -> dict[str, Any]:
-    status: dict[str, Any] = {"instance": config.instance, "broker": None, "supervisor": None}
-    path = config.run_path / "supervisor.json"
+    """What the supervisor last wrote and what the broker says now, unchecked."""
+    path = status_file(config)
+    status: dict[str, Any] = {"instance": config.instance, "broker": None, "supervisor": None,
+                              "status_file": str(path)}
     if path.exists():
         try:
             status["supervisor"] = json.loads(path.read_text())
@@ -52,21 +64,63 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def render(status: dict[str, Any], now: float | None = None) -> str:
+def report(status: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """`gather`'s answer with every process checked now (`checked_at`): what both
+    the table and `tierkv status --json` print."""
     now = time.time() if now is None else now
-    lines = [f"tierkv node {status['instance']}"]
-    stats = status.get("broker")
     sup = status.get("supervisor") or {}
-    lines.append("  " + _supervisor_line(sup, now))
-    if sup.get("log"):
+    checked: dict[str, Any] = {
+        "instance": status["instance"], "checked_at": now,
+        "supervisor": _checked_supervisor(sup, status.get("status_file"), now) if sup else None,
+        "processes": _processes(status.get("broker"), sup, now),
+        "broker": status.get("broker"),
+    }
+    if "error" in status:
+        checked["error"] = status["error"]
+    return checked
+
+
+def _checked_supervisor(sup: dict[str, Any], path: str | None, now: float) -> dict[str, Any]:
+    alive = running(sup.get("pid", 0), sup.get("start_time", 0))
+    started = sup.get("started")
+    return {
+        "pid": sup.get("pid"), "alive": alive, "start_time": sup.get("start_time", 0),
+        "started": started, "uptime_s": now - started if alive and started else None,
+        "status_file": path, "written": sup.get("written"), "log": sup.get("log"),
+        "children": [_checked_child(c, now) for c in sup.get("children", [])],
+    }
+
+
+def _checked_child(child: dict[str, Any], now: float) -> dict[str, Any]:
+    alive = running(child["pid"], child.get("start_time", 0))
+    started = child.get("started")  # absent in a file an older supervisor wrote
+    # An exit code the supervisor saw stays true; one it did not see is unknown.
+    code = child.get("exit_code") if not child.get("alive", True) else None
+    return {"name": child["name"], "pid": child["pid"],
+            "start_time": child.get("start_time", 0), "started": started,
+            "alive": alive, "state": "running" if alive else "exited",
+            "uptime_s": now - started if alive and started else None,
+            "restarts": child.get("restarts", 0), "exit_code": None if alive else code}
+
+
+def render(status: dict[str, Any], now: float | None = None) -> str:
+    checked = report(status, now)
+    lines = [f"tierkv node {checked['instance']}"]
+    stats = checked["broker"]
+    sup = checked["supervisor"]
+    lines.append("  " + _supervisor_line(sup))
+    if sup and sup.get("log"):
         log = sup["log"]
         lines.append(f"  log: {log['path']} (rotating: {log['files']} files of "
                      f"{_bytes(log['file_bytes'])} at most)")
     if stats is None:
-        lines.append(f"  broker: not answering ({status.get('error', 'unknown')})")
+        lines.append(f"  broker: not answering ({checked.get('error', 'unknown')})")
     lines.append("")
-    lines.append(_table(["process", "pid", "state", "uptime", "restarts"],
-                        _processes(stats, sup, now)))
+    rows = [[p["process"], str(p["pid"]), p["state"],
+             _duration(p["uptime_s"]) if p["uptime_s"] is not None else "-",
+             str(p["restarts"]) if p["restarts"] is not None else "-"]
+            for p in checked["processes"]]
+    lines.append(_table(["process", "pid", "state", "uptime", "restarts"], rows))
     if stats is not None:
         lines.append("")
         lines.append(_table(
@@ -75,45 +129,46 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _supervisor_line(sup: dict[str, Any], now: float) -> str:
+def _supervisor_line(sup: dict[str, Any] | None) -> str:
     if not sup:
-        return "supervisor: none (no supervisor.json in the run directory)"
-    pid = sup.get("pid", 0)
-    if running(pid, sup.get("start_time", 0)):
-        return f"supervisor: pid {pid}, up {_duration(now - sup.get('started', now))}"
-    return (f"supervisor: pid {pid} is not running (killed?); what follows is what it "
+        return f"supervisor: none (no {STATUS_FILE} in the run directory)"
+    if sup["alive"]:
+        return f"supervisor: pid {sup['pid']}, up {_duration(sup['uptime_s'] or 0)}"
+    return (f"supervisor: pid {sup['pid']} is not running (killed?); what follows is what it "
             f"last wrote, checked now")
 
 
 def _processes(stats: dict[str, Any] | None, sup: dict[str, Any],
-               now: float) -> list[list[str]]:
-    rows: dict[int, list[str]] = {}
+               now: float) -> list[dict[str, Any]]:
+    """One row per process: the supervisor's children (checked now), then any peer
+    the broker knows that the supervisor did not start."""
+    rows: dict[int, dict[str, Any]] = {}
     for child in sup.get("children", []):
-        alive = running(child["pid"], child.get("start_time", 0))
-        started = child.get("started")  # absent in a file an older supervisor wrote
-        rows[child["pid"]] = [child["name"], str(child["pid"]),
-                              "running" if alive else "exited",
-                              _duration(now - started) if alive and started else "-",
-                              str(child.get("restarts", 0))]
+        checked = _checked_child(child, now)
+        rows[child["pid"]] = {"process": child["name"], "pid": child["pid"],
+                              "state": checked["state"], "uptime_s": checked["uptime_s"],
+                              "restarts": checked["restarts"], "source": "supervisor"}
     if stats is not None:
         broker_pid = next((c["pid"] for c in sup.get("children", []) if c["name"] == "broker"),
                           None)
         if broker_pid is None or broker_pid != stats.get("pid", broker_pid):
-            rows[-1] = ["broker", str(stats.get("pid", "?")), stats["state"],
-                        _duration(stats["uptime_s"]), "-"]
+            rows[-1] = {"process": "broker", "pid": stats.get("pid", "?"),
+                        "state": stats["state"], "uptime_s": stats["uptime_s"],
+                        "restarts": None, "source": "broker"}
         else:
-            rows[broker_pid][2] = stats["state"]
+            rows[broker_pid]["state"] = stats["state"]
         for peer in stats["peers"]:
-            name = f"{peer['kind']}:{peer['name']}"
             state = peer["state"]
             if peer.get("pinned") is not None:  # a CUDA worker: is its DMA asynchronous?
                 state += ", pinned" if peer["pinned"] else ", NOT pinned"
             row = rows.get(peer["pid"])
             if row is None:
-                rows[peer["pid"]] = [name, str(peer["pid"]), state,
-                                     _duration(peer["uptime_s"]), "-"]
+                rows[peer["pid"]] = {"process": f"{peer['kind']}:{peer['name']}",
+                                     "pid": peer["pid"], "state": state,
+                                     "uptime_s": peer["uptime_s"], "restarts": None,
+                                     "source": "broker"}
             else:
-                row[2] = state
+                row["state"] = state
     return list(rows.values())
 
 

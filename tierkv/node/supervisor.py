@@ -21,11 +21,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.core.shm import process_start_time, region_name, remove_stale_region
-from tierkv.node.children import TOKEN_ENV, ChildRegistry
+from tierkv.node.children import TOKEN_SECRET, ChildRegistry
 from tierkv.node.config import Config, ConfigError, dump_config, tier_name
 from tierkv.node.lifecycle import (
     Child,
@@ -37,11 +38,21 @@ from tierkv.node.lifecycle import (
 )
 from tierkv.node.logs import NodeLog
 from tierkv.node.preflight import AlreadyRunning, InstanceClaim, check_here, check_no_live_region
-from tierkv.wire.sockets import ensure_run_dir, ipc_path
+from tierkv.wire.sockets import RunDirError, ensure_run_dir, ipc_path
 
 log = logging.getLogger("tierkv.node.supervisor")
 
 EMBEDDED = "embedded"  # endpoint_url of an S3 tier served by a local moto endpoint
+EMBEDDED_KEY_ENV = "TIERKV_EMBEDDED_S3_KEY"  # its key pair, in the tier processes' env
+EMBEDDED_SECRET_ENV = "TIERKV_EMBEDDED_S3_SECRET"
+
+
+def _embedded_entry(entry: dict[str, Any], endpoint_url: str) -> dict[str, Any]:
+    """An embedded S3 tier's entry as its processes read it: the endpoint, and its
+    key pair by the variables that hold it (whatever credentials the entry named)."""
+    entry = {k: v for k, v in entry.items() if k not in ("session_token_env", "profile")}
+    return {**entry, "endpoint_url": endpoint_url, "create_bucket": True,
+            "access_key_id_env": EMBEDDED_KEY_ENV, "secret_access_key_env": EMBEDDED_SECRET_ENV}
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,10 @@ class Node:
         nothing of a running node. Idempotent."""
         if self._claim.held:
             return
-        ensure_run_dir(self.config.run_path)
+        try:
+            ensure_run_dir(self.config.run_path)
+        except RunDirError as e:
+            raise ConfigError(f"{self.config.source}: {e}") from None
         self._claim.acquire(self.config.instance)
         try:
             check_no_live_region(self.config.instance)
@@ -122,22 +136,21 @@ class Node:
 
     def _child_config(self) -> Config:
         """The config the children read: an `endpoint_url = "embedded"` S3 tier gets
-        a local moto endpoint that this node starts and stops."""
+        a local moto endpoint that this node starts and stops, which admits only the
+        node's own key pair: a new random one, in the tier processes' environment
+        (readable by this user only) under names the rewritten entry gives."""
         if not any(t.get("endpoint_url") == EMBEDDED for t in self.config.tiers):
             return self.config
-        from tierkv.node.s3server import S3Server
+        from tierkv.node.s3server import S3Server, new_keys
 
         if self.s3 is None:
+            keys = new_keys()
             self.s3 = S3Server(ready_timeout_s=self.config.supervisor.ready_timeout_s,
-                               name="s3-endpoint", sink=self._sink()).start()
-            # moto takes any credentials; these are placeholders, not secrets.
-            for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-                self._child_env.setdefault(var, os.environ.get(var, "tierkv-embedded"))
-        tiers = [
-            {**t, "endpoint_url": self.s3.endpoint_url, "create_bucket": True}
-            if t.get("endpoint_url") == EMBEDDED else t
-            for t in self.config.tiers
-        ]
+                               name="s3-endpoint", sink=self._sink(), keys=keys).start()
+            self._child_env.update({EMBEDDED_KEY_ENV: keys.access_key_id,
+                                    EMBEDDED_SECRET_ENV: keys.secret_access_key})
+        tiers = [_embedded_entry(t, self.s3.endpoint_url)
+                 if t.get("endpoint_url") == EMBEDDED else t for t in self.config.tiers]
         return dataclasses.replace(self.config, tiers=tiers)
 
     def _start(self, specs: list[ChildSpec], timeout: float) -> None:
@@ -150,12 +163,14 @@ class Node:
         previous = self.children.get(spec.name)
         if previous is not None:
             self.registry.remove_pid(previous.pid)
-        token = ChildRegistry.new_token()
-        env = child_environment({**self._child_env, TOKEN_ENV: token})
-        child = spawn(spec.name, spec.argv, env=env,
+        # A token for each peer that says hello (the broker says it to no one),
+        # recorded before the child can read it: its hello always finds the record.
+        token = ChildRegistry.new_token() if spec.kind != "broker" else ""
+        child = spawn(spec.name, spec.argv, env=child_environment(self._child_env),
                       log_lines=self.config.supervisor.log_lines, echo=self.echo,
-                      sink=self._sink())
-        self.registry.add(token, spec.name, child.pid)
+                      sink=self._sink(), secrets={TOKEN_SECRET: token} if token else None,
+                      on_started=(lambda pid: self.registry.add(token, spec.name, pid))
+                      if token else None)
         self.children[spec.name] = child
         self.started[spec.name] = (time.time(), process_start_time(child.pid) or 0)
         return child
@@ -290,8 +305,10 @@ class Supervisor:
 
     STABLE_S = 30.0  # a child up this long has its backoff reset
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, on_ready: Callable[[], None] | None = None) -> None:
+        """`on_ready` runs once the whole node is up (`tierkv up --detach` is told)."""
         self.node = node
+        self.on_ready = on_ready
         self.config = node.config
         self.stopping = False
         self.status_path = node.config.run_path / "supervisor.json"
@@ -330,6 +347,8 @@ class Supervisor:
         if self.probe is not None:
             self.probe.start()
         try:
+            if self.on_ready is not None:
+                self.on_ready()
             while not self.stopping:
                 self.kill_hung_broker()
                 self.watch()

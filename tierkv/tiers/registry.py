@@ -55,8 +55,10 @@ FRAMEWORK = TierOptions("any", "keys every tier entry takes", (
     Option("type", str, REQUIRED, "the tier type: memory, disk, s3, or a plug-in's"),
     Option("name", str, "", "the tier's name (empty: its type); two entries may share a "
            "type, never a name"),
-    Option("processes", int, 1, "tier processes serving it (an S3 tier scales out; a disk "
-           "tier is one process per root)", check=at_least(1)),
+    Option("processes", int, 1, "tier processes the supervisor starts for it (an S3 tier "
+           "scales out; a disk tier is one process per root); 0: none, its processes are "
+           "started by hand and prove the tier secret (broker.tier_secret_file)",
+           check=at_least(0)),
     Option("threads", int, 8, "I/O threads of each tier process", check=at_least(1)),
     Option("negative_ttl_s", float, 2.0, "how long the broker remembers that a shared tier "
            "does not hold a key (when it asks: refresh_s = 0)", check=at_least(0)),

@@ -36,6 +36,13 @@ class ProtocolError(ValueError):
     code = ErrorCode.PROTOCOL
 
 
+class BadRequest(ProtocolError):
+    """A well-formed message asking for something not allowed (a value out of range,
+    a limit passed): refused whole, before any of it is applied."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
 # -- the codec -----------------------------------------------------------------------
 
 Checker = Callable[[Any, str], Any]

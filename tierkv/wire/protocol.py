@@ -7,6 +7,7 @@ results do. The codec that reads and writes these is `tierkv.wire.codec`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from tierkv.wire.codec import (
     MAX_LIST,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    BadRequest,
     Message,
     ProtocolError,
     check_tree,
@@ -122,9 +124,14 @@ class RequestContext:
     next_turn_s: float | None = None  # expected seconds until it does (or a ttl)
     hints: dict[str, Any] | None = None  # opaque orchestrator hints (vLLM's kv_hints)
 
-    def check(self) -> None:
+    def check(self, where: str = "contexts") -> None:
         if self.hints is not None:
-            check_tree(self.hints, "contexts.hints", 8, 10_000)
+            check_tree(self.hints, f"{where}.hints", 8, 10_000)
+        if self.turn < -1:
+            raise BadRequest(f"{where}.turn: must be >= 0 (or -1: unknown), got {self.turn}")
+        if self.next_turn_s is not None and not 0 <= self.next_turn_s < math.inf:
+            raise BadRequest(f"{where}.next_turn_s: must be a finite number >= 0, got "
+                                f"{self.next_turn_s}")
 
 
 # Sections with keys, in the order they run and take their keys from the blob.
@@ -164,15 +171,33 @@ class OpsRequest(Message):
     poll: bool = False  # collect finished jobs and events without ending a step
     wait: list[int] = field(default_factory=list)  # answer once these jobs finished...
     wait_s: float = 0.0  # ...or this long passed
+    # Tokens of KV registrations (by rank) this client may `store`/`load` with although
+    # another client made them (`Client.use_kv`); its own need none.
+    kv_tokens: list[str] = field(default_factory=list)
 
     def check(self) -> None:
+        for name, values, limit in (("contexts", self.contexts, MAX_CONTEXTS),
+                                    ("finish", self.finish, MAX_FINISH),
+                                    ("wait", self.wait, MAX_WAIT),
+                                    ("kv_tokens", self.kv_tokens, 64)):
+            if len(values) > limit:
+                raise BadRequest(f"ops.{name}: {len(values)} items exceeds the limit "
+                                 f"of {limit}")
+        for i, context in enumerate(self.contexts):
+            context.check(f"ops.contexts[{i}]")
         check_blob(self.keys, self.key_len, self.key_lens, "ops.keys")
         n = key_count(self.keys, self.key_len, self.key_lens)
+        if n > MAX_STEP_KEYS:
+            raise BadRequest(f"ops: {n} keys exceeds the limit of {MAX_STEP_KEYS}")
         taken = 0
         for name in KEY_SECTIONS:
             groups: KeyGroups | None = getattr(self, name)
             if groups is None:
                 continue
+            limit = MAX_QUEUE_CHAINS if name == "queue" else MAX_GROUPS
+            if len(groups.counts) > 4 * limit:
+                raise BadRequest(f"ops.{name}: {len(groups.counts) // 4} groups exceeds "
+                                    f"the limit of {limit}")
             counts = unpack_counts(groups.counts, f"ops.{name}.counts")
             if groups.req_ids and len(groups.req_ids) != len(counts):
                 raise ProtocolError(f"ops.{name}: {len(groups.req_ids)} req_ids for "
@@ -188,8 +213,6 @@ class OpsRequest(Message):
                                         f"bytes for {items} items")
         if taken != n:
             raise ProtocolError(f"ops: the sections take {taken} keys, the blob has {n}")
-        if taken > MAX_STEP_KEYS:
-            raise ProtocolError(f"ops: {taken} keys exceeds {MAX_STEP_KEYS}")
         if not 0 <= self.wait_s <= 3600:
             raise ProtocolError(f"ops.wait_s: {self.wait_s} is not 0..3600")
 
@@ -245,7 +268,15 @@ class OpsResult:
 
 
 LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
-MAX_STEP_KEYS = 1 << 22  # keys in one `ops` message (a blob of at most 256 MiB)
+# What one `ops` message may ask, so that no single message stalls the broker's loop
+# past its heartbeat budget (a lookup of 131,072 keys takes well under 0.2 s): over
+# a limit, the message is refused before any work (`bad_request`, naming it).
+MAX_STEP_KEYS = 1 << 17  # keys in the blob
+MAX_GROUPS = 1 << 14  # groups in one section (requests of one step)
+MAX_CONTEXTS = 1 << 12  # request contexts
+MAX_QUEUE_CHAINS = 1 << 12  # waiting requests in the `queue` section
+MAX_FINISH = 1 << 14  # finished requests
+MAX_WAIT = 1 << 12  # jobs waited for
 
 
 @message("stats")
@@ -285,7 +316,7 @@ class EventBatch(Message):
 
 
 # What each end of each link accepts (`decode`'s `allowed`).
-CLIENT_OPS = frozenset({"ops", "stats", "kv_register"})
+CLIENT_OPS = frozenset({"ops", "stats", "kv_register", "hb", "bye"})
 WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
 TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb", "bye"})
 TO_WORKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
@@ -310,6 +341,8 @@ class WorkerHello(Message):
     pinned: bool | None = None
     # The token the supervisor gave this process: what lets the broker fence it.
     token: str = ""
+    # The token of `registration` (see `AttachKV.token`).
+    registration_token: str = ""
 
     def check(self) -> None:
         if self.registration is not None:
@@ -355,6 +388,9 @@ class AttachKV(Message):
 
     reg_id: int
     registration: dict[str, Any]
+    # What proves the right to this registration (`Client.use_kv`); the worker keeps
+    # it with the registration and names it again in its hello after a broker restart.
+    token: str = ""
 
 
 @message("kv_attached")

@@ -45,16 +45,75 @@ def make_socket(
     return sock
 
 
+class RunDirError(AddressError):
+    """A run directory that is not this user's alone; the message names the path."""
+
+
 def ensure_run_dir(path: str | os.PathLike[str]) -> Path:
-    """Create the run directory owner-only (0700); refuse one others can enter."""
+    """Create the run directory owner-only (0700), with every folder tierkv makes
+    for it, and check the ones that exist: each must be a directory of this user
+    that no one else can enter. Otherwise refuse (RunDirError), changing nothing:
+    a folder another user made first (the default lives under the shared temp
+    directory) would let them read or replace the node's sockets."""
     run_dir = Path(path)
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = run_dir.stat()
-    if st.st_uid != os.getuid():
-        raise AddressError(f"run directory {run_dir} belongs to another user")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(run_dir, 0o700)
+    chain = _own_chain(run_dir)
+    if not chain[0].parent.is_dir():
+        chain[0].parent.mkdir(parents=True, exist_ok=True)  # e.g. a configured run_dir's home
+    for folder in chain:
+        try:
+            os.mkdir(folder, 0o700)  # the umask can only take bits away
+        except FileExistsError:
+            pass
+        _check_own_dir(folder)
     return run_dir
+
+
+def check_run_dir(path: str | os.PathLike[str]) -> bool:
+    """`ensure_run_dir`'s checks, making nothing: False when the run directory does
+    not exist; RunDirError when it, or a folder above it tierkv makes, is not this
+    user's alone (nothing in it is to be trusted then)."""
+    for folder in _own_chain(Path(path)):
+        if not os.path.lexists(folder):
+            return False
+        _check_own_dir(folder)
+    return True
+
+
+def _own_chain(run_dir: Path) -> list[Path]:
+    """The folders from `_owned_top(run_dir)` down to `run_dir`, top first."""
+    top = _owned_top(run_dir)
+    chain = [run_dir, *run_dir.parents]
+    return list(reversed(chain[: chain.index(top) + 1]))
+
+
+def _owned_top(run_dir: Path) -> Path:
+    """The topmost folder of `run_dir` that must be this user's alone: for the
+    default run directories (`tierkv.node.config.Config.run_path`) the per-user
+    folder tierkv makes, for any other the run directory itself."""
+    bases = [Path(f"/tmp/tierkv-{os.getuid()}")]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "tierkv")
+    for base in bases:
+        if run_dir == base or base in run_dir.parents:
+            return base
+    return run_dir
+
+
+def _check_own_dir(folder: Path) -> None:
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise RunDirError(f"run directory {folder} is a symbolic link: it must be a directory "
+                          f"of your own (remove it, or set run_dir)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RunDirError(f"run directory {folder} is not a directory")
+    if st.st_uid != os.getuid():
+        raise RunDirError(f"run directory {folder} belongs to uid {st.st_uid}, not to you "
+                          f"(uid {os.getuid()}): another user may have made it to read or "
+                          f"replace this node's sockets; remove it, or set run_dir")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise RunDirError(f"run directory {folder} has mode {mode:04o}: others can enter it; "
+                          f"it must be 0700 (chmod 700 {folder})")
 
 
 def ipc_path(address: str) -> Path | None:
@@ -79,7 +138,8 @@ def check_address(address: str, curve: bool = False) -> None:
     if not is_loopback(address) and not curve:
         raise AddressError(
             f"address {address} is reachable beyond loopback: configure CurveZMQ keys "
-            "(broker.curve_server_secret_file) or bind to 127.0.0.1/::1/ipc"
+            "(broker.curve_secret_file and broker.curve_authorized_dir) or bind to "
+            "127.0.0.1/::1/ipc"
         )
 
 

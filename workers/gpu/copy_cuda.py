@@ -27,6 +27,17 @@ Design, and why:
   current), so a worker of GPU 3 never creates a context on GPU 0.
 * Block ids travel to the device once per job through a pinned host tensor, so
   queueing a job never waits for earlier work on the stream.
+* Ordered after the caller: at submit, an event is recorded on the submitting
+  thread's current stream and the job's kernel stream (the one that reads or writes
+  the KV cache) waits for it, as vLLM's own offloading handler does. Inside the
+  engine's process a step's transfers are submitted after its forward pass was
+  launched: a store must not read KV the model is still writing, and a load must not
+  be overwritten by a write queued before it (the zeroing of newly allocated
+  blocks). A load's DMA into staging does not wait: it overlaps the model. In the
+  gpu worker process the current stream is its idle default stream, so the wait
+  costs one event record.
+* Every stream, event and device call goes through `workers.gpu.streams.StreamOps`
+  (torch in production; the CPU tests record the calls and check their order).
 
 The engine's kernels and this worker's gather/scatter kernels run in different
 processes; without MPS the GPU time-slices between the two contexts. The kernels
@@ -55,6 +66,7 @@ from workers.gpu.cudart import CudaCallError, Runtime, choose_dma_path, cuda_run
 from workers.gpu.dma_plan import HostSide, copies_1d, copies_2d
 from workers.gpu.jobs import DIRECTIONS, TransferError, failed
 from workers.gpu.pinning import pin_host, refuse_message, unpin_host
+from workers.gpu.streams import StreamOps, TorchStreams
 
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
@@ -81,11 +93,12 @@ def word_size(layout: KVLayout) -> int:
 class _Lane:
     """One direction's streams, double staging buffer and the events ordering it."""
 
-    kernels: Any  # torch.cuda.Stream: gather / scatter
-    copies: Any  # torch.cuda.Stream: DMA
+    kernels: Any  # stream: gather / scatter, the only one touching the KV cache
+    copies: Any  # stream: DMA
     staging: list[torch.Tensor]  # 2 x (capacity, page/word), word dtype
     ready: list[Any]  # per buffer: filled (by the gather, or by the DMA of a load)
     free: list[Any]  # per buffer: emptied (by the DMA of a store, or the scatter)
+    caller: Any  # recorded on the submitter's current stream at each submit
     next_buffer: int = 0
 
 
@@ -104,18 +117,20 @@ class _Attached:
 class CudaBackend:
     """Queues jobs on this worker's CUDA streams. Methods run on the worker's main
     thread; only `attach` and `close` block (for the jobs in flight, bounded by
-    `DRAIN_TIMEOUT_S`). `runtime` is the CUDA runtime seam (tests pass a host one)."""
+    `DRAIN_TIMEOUT_S`). `runtime` is the CUDA runtime seam and `streams` the stream
+    seam (tests pass host ones)."""
 
     kind = "cuda"
 
     def __init__(self, region: SharedRegion, rank: int, staging_bytes: int = 64 << 20, *,
                  device: torch.device | None = None, allow_unpinned: bool = False,
                  notify: Callable[[], None] = lambda: None,
-                 runtime: Runtime | None | object = _DEFAULT) -> None:
-        if not torch.cuda.is_available():
+                 runtime: Runtime | None | object = _DEFAULT,
+                 streams: StreamOps | None = None) -> None:
+        self._ops: StreamOps = streams if streams is not None else TorchStreams()
+        if not self._ops.available():
             raise TransferError("the KV cache is on CUDA but this process has no CUDA device")
-        self.device = device if device is not None else torch.device(
-            "cuda", torch.cuda.current_device())
+        self.device = device if device is not None else self._ops.current_device()
         self._region = region
         self._rank = rank
         self._page = region.layout.page_size
@@ -141,10 +156,8 @@ class CudaBackend:
         self._at: _Attached | None = None
         self._done: deque[TransferOutcome] = deque()
         self.stats = {"jobs": 0, "dma_calls": 0, "submit_cpu_s": 0.0}
-        index = self.device.index
-        self._waiter = CompletionWaiter(
-            f"tierkv-cuda-r{rank}", notify,
-            bind_thread=lambda: torch.cuda.set_device(index) if index is not None else None)
+        self._waiter = CompletionWaiter(f"tierkv-cuda-r{rank}", notify,
+                                        bind_thread=lambda: self._ops.bind(self.device))
 
     def describe(self) -> dict[str, Any]:
         """What gpu-check and the logs report about this backend."""
@@ -165,7 +178,7 @@ class CudaBackend:
         if kv.device != self.device:
             raise TransferError(f"this backend copies for {self.device}, the KV cache is on "
                                 f"{kv.device}")
-        with torch.cuda.device(self.device):
+        with self._ops.on_device(self.device):
             self._at = self._attached(kv)
         at = self._at
         log.info("rank %d: cuda backend on %s, %d-byte words, %d blocks per chunk x 2 "
@@ -196,14 +209,15 @@ class CudaBackend:
         return _Attached(kv.device, views, geometry, lanes, capacity, word)
 
     def _lane(self, capacity: int, word: int) -> _Lane:
-        kernels, copies = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        ops = self._ops
+        kernels, copies = ops.new_stream(self.device), ops.new_stream(self.device)
         staging = []
         for _ in range(2):
-            with torch.cuda.stream(kernels):
+            with ops.issue_on(kernels):
                 staging.append(torch.empty((capacity, self._page // word), dtype=_WORDS[word],
                                            device=self.device))
-        return _Lane(kernels, copies, staging, [torch.cuda.Event() for _ in range(2)],
-                     [torch.cuda.Event() for _ in range(2)])
+        return _Lane(kernels, copies, staging, [ops.new_event() for _ in range(2)],
+                     [ops.new_event() for _ in range(2)], ops.new_event())
 
     def close(self) -> None:
         try:
@@ -239,24 +253,36 @@ class CudaBackend:
         cpu, gpu = cpu[order], gpu[order]
         lane = at.lanes[job.direction]
         store = job.direction == "store"
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        ops = self._ops
+        start = ops.new_event(timing=True)
+        end = ops.new_event(timing=True, blocking=True)
         calls = 0
-        with torch.cuda.device(at.device):
-            start.record(lane.kernels if store else lane.copies)
-            index_host = torch.from_numpy(gpu).pin_memory()
-            with torch.cuda.stream(lane.kernels):
+        with ops.on_device(at.device):
+            self._after_caller(at, lane)
+            ops.record(start, lane.kernels if store else lane.copies)
+            index_host = ops.pinned(torch.from_numpy(gpu))
+            with ops.issue_on(lane.kernels):
                 index = index_host.to(at.device, non_blocking=True)
             for lo in range(0, len(cpu), at.capacity):
                 calls += self._chunk(at, lane, store, cpu[lo : lo + at.capacity],
                                      index[lo : lo + at.capacity])
-            end.record(lane.copies if store else lane.kernels)
+            ops.record(end, lane.copies if store else lane.kernels)
         self.stats["jobs"] += 1
         self.stats["dma_calls"] += calls
         self.stats["submit_cpu_s"] += time.thread_time() - cpu_start
         self._waiter.add(job.direction, PendingJob(
             job.job_id, len(cpu) * self._page, end,
-            lambda: start.elapsed_time(end) / 1000.0, keep=[index_host, index]))
+            lambda: ops.seconds(start, end), keep=[index_host, index]))
+
+    def _after_caller(self, at: _Attached, lane: _Lane) -> None:
+        """Make the job's kernel stream wait for the work queued so far on the
+        submitting thread's current stream (see the module docstring: the model's
+        writes, or a zeroing, still running when the engine submits). The wait is
+        queued before anything of the job, so every chunk's gather or scatter is
+        behind it; the one event per lane is recorded again at each submit (a wait
+        takes the record current when it is queued)."""
+        self._ops.record(lane.caller, self._ops.current_stream(at.device))
+        self._ops.wait(lane.kernels, lane.caller)
 
     def _chunk(self, at: _Attached, lane: _Lane, store: bool, cpu: np.ndarray,
                index: torch.Tensor) -> int:
@@ -264,22 +290,23 @@ class CudaBackend:
         b = lane.next_buffer
         lane.next_buffer ^= 1
         buf = lane.staging[b]
+        ops = self._ops
         if store:
-            lane.kernels.wait_event(lane.free[b])
-            with torch.cuda.stream(lane.kernels):
+            ops.wait(lane.kernels, lane.free[b])
+            with ops.issue_on(lane.kernels):
                 self._gather(at, buf, index)
-            lane.ready[b].record(lane.kernels)
-            lane.copies.wait_event(lane.ready[b])
+            ops.record(lane.ready[b], lane.kernels)
+            ops.wait(lane.copies, lane.ready[b])
             calls = self._dma(buf, cpu, True, lane.copies)
-            lane.free[b].record(lane.copies)
+            ops.record(lane.free[b], lane.copies)
         else:
-            lane.copies.wait_event(lane.free[b])
+            ops.wait(lane.copies, lane.free[b])
             calls = self._dma(buf, cpu, False, lane.copies)
-            lane.ready[b].record(lane.copies)
-            lane.kernels.wait_event(lane.ready[b])
-            with torch.cuda.stream(lane.kernels):
+            ops.record(lane.ready[b], lane.copies)
+            ops.wait(lane.kernels, lane.ready[b])
+            with ops.issue_on(lane.kernels):
                 self._scatter(at, buf, index)
-            lane.free[b].record(lane.kernels)
+            ops.record(lane.free[b], lane.kernels)
         return calls
 
     def _stage_view(self, at: _Attached, buf: torch.Tensor, i: int, k: int) -> torch.Tensor:
@@ -300,7 +327,7 @@ class CudaBackend:
     def _dma(self, buf: torch.Tensor, cpu: np.ndarray, to_host: bool, stream: Any) -> int:
         """Move the chunk between staging `buf` and this rank's pages on `stream`, by
         the chosen path; returns the number of DMA calls it took."""
-        handle = stream.cuda_stream
+        handle = self._ops.handle(stream)
         if self.dma_path == "batch":
             copies = copies_1d(cpu, self._hostside, buf.data_ptr(), to_host)
             try:
@@ -325,7 +352,7 @@ class CudaBackend:
         plan = copies_2d(cpu, self._hostside, buf.data_ptr(), to_host)
         host_addr, stage_addr = (plan.dst, plan.src) if to_host else (plan.src, plan.dst)
         calls = 0
-        with torch.cuda.stream(stream):
+        with self._ops.issue_on(stream):
             for h, s, w, n in zip(host_addr.tolist(), stage_addr.tolist(),
                                   plan.width.tolist(), plan.height.tolist(), strict=True):
                 h0, s0 = h - self._host_ptr, s - buf.data_ptr()

@@ -26,6 +26,14 @@ says it for users):
   reached the CPU), so every write to the block is complete and visible to another
   stream or process; do not overwrite or free a stored block before the client saw
   the store finish.
+* Inside the engine's own process (`tierkv.vllm`) the store rule relaxes to stream
+  order, as for vLLM's own offloading: a CUDA job is ordered after the work queued
+  so far on the submitting thread's current stream, so a store submitted right
+  after the forward pass was launched reads the finished KV, and a load is not
+  overwritten by a write (a zeroing) queued before it. Submit from the thread that
+  queued those writes, with their stream current. A loaded block is still read
+  only once the load was seen finished. Another process's streams are not seen:
+  for the gpu worker the host rules hold.
 * What can be checked here is: a load into a GPU block that a store in flight still
   reads, or a store of a GPU block that a load in flight is still writing, is
   refused (``bad_request``) and copies nothing. Such a pair would race: loads and
@@ -60,6 +68,7 @@ from workers.gpu.reservations import BlockUse
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
     from tierkv.engine import OpenedKV
+    from workers.gpu.streams import StreamOps
 
 log = logging.getLogger("tierkv.transfer")
 
@@ -88,7 +97,9 @@ class TransferEngine:
     `device`: "auto" (the backend follows the attached KV cache's device), "cpu",
     or "cuda"/"cuda:N" (refuse KV caches elsewhere). `staging_bytes` bounds the
     device staging buffers of each direction (CUDA only). `allow_unpinned`: accept
-    a region that cannot be pinned for DMA (CUDA; otherwise attach fails)."""
+    a region that cannot be pinned for DMA (CUDA; otherwise attach fails).
+    `streams`: the CUDA backend's stream calls (None: torch's; gpu-check passes its
+    own to show the race the ordering prevents)."""
 
     def __init__(
         self,
@@ -99,6 +110,7 @@ class TransferEngine:
         staging_bytes: int = 64 << 20,
         wakeup: Wakeup | None = None,
         allow_unpinned: bool = False,
+        streams: StreamOps | None = None,
     ) -> None:
         if not 0 <= rank < region.layout.world_size:
             raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
@@ -109,6 +121,7 @@ class TransferEngine:
         self.device = device
         self.staging_bytes = staging_bytes
         self.allow_unpinned = allow_unpinned
+        self.streams = streams
         self.wakeup = wakeup  # notified from the copy threads when a job finished
         self._finished = threading.Event()  # the same, for `wait`
         self._kv: OpenedKV | None = None
@@ -194,7 +207,8 @@ class TransferEngine:
             from workers.gpu.copy_cuda import CudaBackend
 
             return CudaBackend(self.region, self.rank, self.staging_bytes, device=kv.device,
-                               allow_unpinned=self.allow_unpinned, notify=self._notify)
+                               allow_unpinned=self.allow_unpinned, notify=self._notify,
+                               streams=self.streams)
         if kind == "cpu":
             from workers.gpu.copy_cpu import CpuBackend
 

@@ -2,13 +2,15 @@
 install, in one process, within a time budget (the script's watchdog is 215 s).
 
 Parts: the environment; a CPU round trip (always); on CUDA the per backend facts,
-the pin/unpin time of 16 GiB, ``pytest tests/gpu`` (the correctness of the device
-path: both layouts, two worker processes on one device, odd sizes, forced
-registration failures followed by a kernel launch, the IPC counters), bandwidth
-against a pinned cudaMemcpyAsync, the same beside a matmul process, and the
-worker's own GPU memory. Exit 0 only if every correctness part passed (1 if one
-failed; 2 if only a measurement failed). It sets no environment variable of its
-own (tests/gpu set theirs through pytest's monkeypatch, restored after each test).
+the pin/unpin time of 16 GiB, copies ordered after a model still writing (and the
+same race without the ordering, as a control), ``pytest tests/gpu`` (the
+correctness of the device path: both layouts, two worker processes on one device,
+odd sizes, forced registration failures followed by a kernel launch, the IPC
+counters), bandwidth against a pinned cudaMemcpyAsync, the same beside a matmul
+process, and the worker's own GPU memory. Exit 0 only if every correctness part
+passed (1 if one failed; 2 if only a measurement or the control failed). It sets
+no environment variable of its own (tests/gpu set theirs through pytest's
+monkeypatch, restored after each test).
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ def main() -> int:
         part("GPUs", lambda: env_report.gpus(say), correctness=False)
         part("per backend", lambda: measure.backend_facts(say))
         part("pin and unpin 16 GiB", lambda: measure.pin_timing(say), correctness=False)
+        from workers.gpu.check import ordering
+
+        part("copies ordered after the model (store, load)", lambda: ordering.ordered(say))
+        part("the same race without the ordering (control)", lambda: ordering.control(say),
+             correctness=False)
         part("pytest tests/gpu", pytest_gpu)
         end = START + BUDGET_S - 45
         part("bandwidth vs pinned cudaMemcpyAsync (1000 blocks)",
