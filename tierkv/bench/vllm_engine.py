@@ -49,12 +49,10 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
     OffloadingWorkerMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
-    OffloadingConnector,
 )
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -120,7 +118,10 @@ def node_config(instance: str, run_dir: Path, page_size: int, cpu_blocks: int,
     data: dict[str, Any] = {
         "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
         "cpu": {"num_blocks": cpu_blocks, "page_size": page_size, "world_size": 1},
-        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0},
+        # One engine may hold the whole (small) CPU tier; tests of several engines on
+        # one node set their share.
+        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
+                   "owner_share": 1.0},
         "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
         "worker": {"enabled": False},
         "tiers": tiers,
@@ -145,9 +146,20 @@ def engine_node(page_size: int, cpu_blocks: int, disk_blocks: int = 0,
 
 
 def tierkv_extra_config(node: Node, **more: Any) -> dict[str, Any]:
-    """`kv_connector_extra_config` for a vLLM engine on `node`."""
+    """`kv_connector_extra_config` for a vLLM engine on `node` (its connector is
+    `TierkvConnector`, see `vllm_config`)."""
     return {"spec_name": "TierkvOffloadingSpec", "spec_module_path": "tierkv.vllm",
             "tierkv_config": str(node.config_path), **more}
+
+
+def connector_for(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """The `KVTransferConfig` fields that load the connector `extra_config` is for:
+    tierkv's own for its spec (it recomputes failed loads), vLLM's otherwise."""
+    if extra_config.get("spec_name") == "TierkvOffloadingSpec":
+        return {"kv_connector": "TierkvConnector",
+                "kv_connector_module_path": "tierkv.vllm.connector",
+                "kv_load_failure_policy": "recompute"}
+    return {"kv_connector": "OffloadingConnector"}
 
 
 def model_dir() -> Path:
@@ -172,8 +184,8 @@ def vllm_config(shape: EngineShape, extra_config: dict[str, Any]) -> VllmConfig:
                                 enable_chunked_prefill=True, is_encoder_decoder=False)
     cache = CacheConfig(block_size=shape.block_size, gpu_memory_utilization=0.9,
                         cache_dtype="auto", enable_prefix_caching=True)
-    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                kv_connector_extra_config=dict(extra_config))
+    transfer = KVTransferConfig(kv_role="kv_both", kv_connector_extra_config=dict(extra_config),
+                                **connector_for(extra_config))
     return VllmConfig(scheduler_config=scheduler, model_config=model, cache_config=cache,
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
 
@@ -229,7 +241,7 @@ class Engine:
     copy: bool = True
     name: str = "engine"
     scheduler: Scheduler = field(init=False)
-    worker: OffloadingConnector | None = field(init=False)
+    worker: Any = field(init=False)  # the worker-side connector
     kv: dict[str, torch.Tensor] = field(init=False)
     mismatches: list[str] = field(default_factory=list)
     finished: dict[str, list[int]] = field(default_factory=dict)
@@ -253,7 +265,8 @@ class Engine:
         self.worker = None
         self.kv = {}
         if self.copy:
-            self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, kv_config)
+            self.worker = KVConnectorFactory.create_connector(self.config,
+                                                              KVConnectorRole.WORKER, kv_config)
             s = self.shape
             backing = torch.zeros(s.layers, s.gpu_blocks, 2, s.block_size, s.kv_heads,
                                   s.head_dim)
@@ -293,20 +306,20 @@ class Engine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - start
+        self.tokens["preemptions"] += len(out.preempted_req_ids or ())
         if self.worker is not None:
-            sending, recving, worker_meta = self._work(out)
+            connector_output = self._work(out)
         else:
-            sending, (recving, worker_meta) = set(), _jobs_done(out.kv_connector_metadata)
+            recving, worker_meta = _jobs_done(out.kv_connector_metadata)
+            connector_output = KVConnectorOutput(finished_recving=recving or None,
+                                                 kv_connector_worker_meta=worker_meta)
         req_ids = [r.req_id for r in out.scheduled_new_reqs] + list(
             out.scheduled_cached_reqs.req_ids)
         req_ids = [r for r in req_ids if out.num_scheduled_tokens.get(r)]
         sampled = [[self._token(r)] if self._samples(r, out) else [] for r in req_ids]
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
-                                                  finished_recving=recving or None,
-                                                  kv_connector_worker_meta=worker_meta))
+            sampled_token_ids=sampled, kv_connector_output=connector_output)
         start = time.perf_counter()
         updates = self.scheduler.update_from_output(out, output)
         self.step_seconds.append(scheduled + time.perf_counter() - start)
@@ -326,20 +339,30 @@ class Engine:
             self.tokens[f"{name}_queries"] += s.queries
             self.tokens[f"{name}_hits"] += s.hits
 
-    def _work(self, out: Any) -> tuple[set[str], set[str], Any]:
-        """The worker side of a step: transfers, the forward pass, what finished."""
+    def _work(self, out: Any) -> KVConnectorOutput:
+        """The worker side of a step, in the order vLLM 0.33's model runner takes it:
+        the stores deferred from the last step are submitted first, sync loads before
+        the forward pass, async loads after it, then what finished and what failed."""
         worker = self.worker
         assert worker is not None
         meta = out.kv_connector_metadata
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        if out.has_sync_kv_loads:
+            worker.start_load_kv(None)  # type: ignore[arg-type]
         self._forward(out)
+        if not out.has_sync_kv_loads:
+            worker.start_load_kv(None)  # type: ignore[arg-type]
         worker.wait_for_save()
-        sending, recving = worker.get_finished(out.finished_req_ids)
-        worker_meta = worker.build_connector_worker_meta()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta())
         worker.clear_connector_metadata()
-        return sending, recving, worker_meta
+        return output
 
     def _samples(self, req_id: str, out: Any) -> bool:
         """A request samples a token once its prompt is computed by this step."""
@@ -391,6 +414,44 @@ class Engine:
                 self.mismatches.append(f"{req_id}: group {group} block {index} (GPU block "
                                        f"{block_id}, layer {layer}) does not hold its bytes")
                 return
+
+    # -- what a test does to it --------------------------------------------------------
+
+    def reset(self) -> None:
+        """vLLM's weight-update path (`pause(clear_cache)`): every request preempted,
+        the prefix caches reset, the offloading connector's too."""
+        if not self.scheduler.reset_prefix_cache(reset_running_requests=True,
+                                                 reset_connector=True):
+            raise RuntimeError(f"{self.name}: vLLM did not reset its prefix cache")
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        """The client went away: vLLM aborts the requests wherever they are."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
+
+    def fail_copies(self, direction: str, count: int) -> None:
+        """Make tierkv's worker fail the next `count` copies of `direction` ("load" or
+        "store") as a copy it cannot do fails: the job's spec names more chunks than
+        its GPU blocks fill (fault injection, through the real failure path)."""
+        from tierkv.vllm.jobs import TierkvLoadStoreSpec
+
+        assert self.worker is not None
+        worker = self.worker.connector_worker.worker
+        submit = getattr(worker, f"submit_{direction}")
+        left = [count]
+
+        def failing(job_id: int, src: Any, dst: Any, *args: Any) -> bool:
+            if left[0] > 0:
+                left[0] -= 1
+                spec = src if direction == "load" else dst
+                broken = TierkvLoadStoreSpec([n + 1 for n in spec.chunks_per_group],
+                                             spec.rows.tolist(), spec.region)
+                src, dst = (broken, dst) if direction == "load" else (src, broken)
+                self.tokens[f"failed_{direction}s"] += 1
+            return submit(job_id, src, dst, *args)
+
+        setattr(worker, f"submit_{direction}", failing)
 
     # -- results -------------------------------------------------------------------------
 

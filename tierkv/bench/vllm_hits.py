@@ -5,10 +5,16 @@ Three kinds of row, on one trace at one capacity:
 * `vllm`: vLLM's built-in policies (lru, arc) in its `CPUOffloadingManager`;
 * `tierkv-in-vllm`: each tierkv policy, plugged into that same manager through
   `tierkv.vllm.policies` (what a vLLM user gets with no tierkv process);
-* `tierkv-replay`: the same policy in `tierkv replay` (tierkv's own `PrimaryTier`).
+* `tierkv-replay`: the same policy in `tierkv replay` (tierkv's own `PrimaryTier`, a
+  prefix stored and used head first).
 
-The last two must agree (the adapter's tests hold them to 1e-3); the first two
-are the baseline. The manager is driven the way vLLM's OffloadingConnector
+The first row is the baseline: every tierkv policy inside vLLM should hit at least
+as often as vLLM's LRU (`tests/vllm/test_policies.py`). Inside vLLM a prefix is
+stored and used tail first, as vLLM's LRU ranks it (`tierkv.vllm.policies`), so the
+last two rows differ where that order matters. Two workloads: a trace (Mooncake's
+conversation trace by default), and `shared_prefix_stream`, a shared prefix between
+one-off requests, where keeping a prefix's head longer than its tail is the whole
+difference. The manager is driven the way vLLM's OffloadingConnector
 scheduler drives it, simplified to one request at a time with transfers that
 complete at once: a lookup per key up to the first miss, a load of the hits, a
 store of the rest (prefix hits are not stored again, vLLM's chunk-level
@@ -128,6 +134,26 @@ def serve_request(manager: CPUOffloadingManager, request: Request, req_id: str) 
     return hits
 
 
+def shared_prefix_stream(rounds: int = 10, prefix: int = 8, own: int = 16,
+                         one_off: int = 24) -> list[Request]:
+    """A shared `prefix`-block prefix (with `own` blocks of its own each time) between
+    one-off requests of `one_off` blocks. At `prefix + own + one_off - prefix` blocks
+    of cache (32 by default) only a policy that keeps a prefix's head longer than its
+    tail hits: a lookup stops at the first miss."""
+    unique = iter(range(1 << 20, 1 << 21))
+    out: list[Request] = []
+    for i in range(rounds):
+        own_ids = tuple(next(unique) for _ in range(own))
+        out.append(Request(float(2 * i), MOONCAKE_BLOCK_TOKENS * (prefix + own), 1,
+                           (*range(prefix), *own_ids)))
+        out.append(Request(float(2 * i + 1), MOONCAKE_BLOCK_TOKENS * one_off, 1,
+                           tuple(next(unique) for _ in range(one_off))))
+    return out
+
+
+SHARED_PREFIX_BLOCKS = 32  # the cache size the shared-prefix stream is made for
+
+
 def request_keys(request: Request) -> list[OffloadKey]:
     """vLLM's offload keys of a trace request: block hash + KV group 0."""
     from vllm.v1.kv_offload.base import make_offload_key
@@ -214,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", nargs="+", default=None,
                         help="tierkv policies (default: every registered one)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="the shared-prefix stream (shared_prefix_stream) instead of a "
+                             f"trace, at {SHARED_PREFIX_BLOCKS} blocks unless --blocks says")
     return parser
 
 
@@ -225,10 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"vllm_hits: unknown tierkv policies {', '.join(unknown)}; "
                          f"known: {', '.join(known_policies())}")
-    if not args.trace.exists():
+    if args.shared_prefix:
+        requests, name = shared_prefix_stream(), "shared-prefix stream"
+        if args.blocks == [4000]:
+            args.blocks = [SHARED_PREFIX_BLOCKS]
+    elif not args.trace.exists():
         raise SystemExit(f"vllm_hits: trace {args.trace} not found")
-    requests = read_trace(args.trace, args.limit)
-    print(f"{args.trace.name}: {len(requests):,} requests, "
+    else:
+        requests, name = read_trace(args.trace, args.limit), args.trace.name
+    print(f"{name}: {len(requests):,} requests, "
           f"{sum(len(r.hash_ids) for r in requests):,} block lookups")
     for blocks in args.blocks:
         print()

@@ -1,9 +1,11 @@
 """tierkv inside vLLM 0.33: an OffloadingSpec backed by a tierkv node, and tierkv's
 policies as vLLM cache policies.
 
-* `TierkvOffloadingSpec` (`spec_name` "TierkvOffloadingSpec", `spec_module_path`
-  "tierkv.vllm"): vLLM's `OffloadingConnector` offloads into a running tierkv node;
-  engines on one host share its CPU, disk and S3 tiers. See README "Use with vLLM".
+* `TierkvConnector` (`kv_connector` "TierkvConnector", `kv_connector_module_path`
+  "tierkv.vllm.connector") with `TierkvOffloadingSpec` (`spec_name`
+  "TierkvOffloadingSpec", `spec_module_path` "tierkv.vllm"): vLLM's offloading
+  connector offloads into a running tierkv node; engines on one host share its CPU,
+  disk and S3 tiers. See README "Use with vLLM".
 * `tierkv.vllm.policies`: tierkv's eviction policies inside vLLM's own CPU offloading,
   no tierkv process at all.
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TierkvOffloadingSpec"]
+__all__ = ["TierkvConnector", "TierkvOffloadingSpec"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from tierkv.vllm.spec import TierkvOffloadingSpec
 
         return TierkvOffloadingSpec
+    if name == "TierkvConnector":
+        from tierkv.vllm.connector import TierkvConnector
+
+        return TierkvConnector
     raise AttributeError(f"module 'tierkv.vllm' has no attribute {name!r}")

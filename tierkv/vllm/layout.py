@@ -1,13 +1,15 @@
 """How vLLM's offloading model maps onto a tierkv node: keys, rows and pages.
 
 vLLM offloads *chunks*: an `OffloadKey` (block hash + 4-byte KV-cache group index)
-names `blocks_per_chunk` consecutive GPU blocks of one group. A tierkv CPU-tier row
-holds one GPU block of every rank (`cpu.page_size` = one rank's bytes of a GPU block,
-all KV tensors; `cpu.world_size` = vLLM's world size), so a chunk is
-`blocks_per_chunk` tierkv blocks, keyed ``namespace + vLLM key (+ one byte: the
-block's index in the chunk, when a chunk has more than one)``. The namespace keeps
-engines of different models or layouts apart on one node, and is the same for every
-engine of one model and layout: their prefixes are each other's hits.
+names `blocks_per_chunk` consecutive GPU blocks of one group. A chunk is one tierkv
+block, keyed ``namespace + vLLM key``, in one CPU-tier row: the row holds a page per
+GPU block of the chunk on every rank (`cpu.page_size` = one rank's bytes of a GPU
+block, all KV tensors; `cpu.world_size` = vLLM's world size x `blocks_per_chunk`;
+block j of the chunk on rank r is page ``r * blocks_per_chunk + j``). So a chunk is
+stored, found, pinned and evicted as a whole: never half of it a hit. The namespace
+(`identity.py`) keeps engines of different models or layouts apart on one node, and
+is the same for every engine of one model and layout: their prefixes are each
+other's hits.
 
 Copying every KV tensor of a GPU block is right for every group: vLLM hands a block
 id to one group at a time, so all tensors' pages of that block belong to it.
@@ -38,48 +40,48 @@ def namespace(*facts: object) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class KeyMap:
-    """vLLM chunk keys <-> tierkv block keys."""
+    """vLLM chunk keys <-> tierkv keys (one per chunk) under one namespace."""
 
     prefix: bytes
-    blocks_per_chunk: int
 
-    def blocks(self, key: bytes) -> list[bytes]:
-        """The tierkv keys of one chunk, in block order."""
-        base = self.prefix + key
-        if len(base) + (self.blocks_per_chunk > 1) > MAX_KEY_LEN:
-            raise ValueError(f"a vLLM key of {len(key)} bytes is too long for tierkv "
-                             f"(at most {MAX_KEY_LEN - len(self.prefix) - 1})")
-        if self.blocks_per_chunk == 1:
-            return [base]
-        return [base + bytes([i]) for i in range(self.blocks_per_chunk)]
+    def key(self, chunk: bytes) -> bytes:
+        key = self.prefix + chunk
+        if len(key) > MAX_KEY_LEN:
+            raise ValueError(f"a vLLM key of {len(chunk)} bytes is too long for tierkv "
+                             f"(at most {MAX_KEY_LEN - len(self.prefix)})")
+        return key
 
-    def all_blocks(self, keys: Iterable[bytes]) -> list[bytes]:
-        out: list[bytes] = []
-        for key in keys:
-            out.extend(self.blocks(key))
-        return out
+    def keys(self, chunks: Iterable[bytes]) -> list[bytes]:
+        return [self.key(c) for c in chunks]
 
-    def chunk_of(self, block_key: bytes) -> bytes | None:
-        """The vLLM key a tierkv key belongs to (None: not this engine's namespace, or
-        not the chunk's first block, so each chunk is reported once)."""
-        if not block_key.startswith(self.prefix):
-            return None
-        key = block_key[len(self.prefix):]
-        if self.blocks_per_chunk == 1:
-            return key
-        return key[:-1] if key[-1] == 0 else None
+    def chunk_of(self, key: bytes) -> bytes | None:
+        """The vLLM key a tierkv key names (None: not this namespace's)."""
+        return key[len(self.prefix):] if key.startswith(self.prefix) else None
 
 
 def check_node(page_size: int, world_size: int, want_page: int, want_world: int,
                instance: str) -> None:
-    """The node's CPU tier must hold exactly one GPU block of every rank per row."""
+    """The node's CPU tier must hold exactly one chunk per row: a page per GPU block
+    of the chunk on every rank (`want_world` = vLLM's world size x blocks per chunk)."""
     if page_size != want_page or world_size != want_world:
         raise NodeMismatch(
             f"tierkv node {instance!r} has cpu.page_size={page_size}, "
             f"cpu.world_size={world_size}; this vLLM engine needs cpu.page_size="
             f"{want_page} (one GPU block of one rank, every KV tensor) and "
-            f"cpu.world_size={want_world}: set them in the node's config and restart it"
+            f"cpu.world_size={want_world} (vLLM's world size x GPU blocks per offloaded "
+            f"chunk): set them in the node's config and restart it"
         )
+
+
+@dataclass(slots=True)
+class Pairs:
+    """One job's copies: GPU block `gpu[i]` <-> page `page[i]` (its index in its
+    chunk) of row `rows[i]`."""
+
+    gpu: list[int]
+    rows: list[int]
+    page: list[int]
+    missing: int  # GPU blocks whose chunk has no row (-1)
 
 
 def pair_blocks(
@@ -89,27 +91,25 @@ def pair_blocks(
     rows: Sequence[int],
     chunks_per_group: Sequence[int],
     blocks_per_chunk: int,
-) -> tuple[list[int], list[int], int]:
-    """(GPU block ids, CPU rows, blocks without a row) for one job.
+) -> Pairs:
+    """Each GPU block of a job with its chunk's row and its page in the row.
 
     Group after group, a group's GPU blocks are consecutive blocks of the request
     from its `block_indices` entry on, and its chunks are consecutive too (vLLM's
-    contract for every offloading back end); `rows` holds `blocks_per_chunk` rows
-    per chunk in the same order. A row of -1 (nothing to write: present already,
-    or no room) drops its block. Raises ValueError if the two sides disagree."""
+    contract for every offloading back end): the first block may sit inside its
+    chunk. `rows` holds one row per chunk in the same order; a row of -1 (nothing to
+    write: present already; or no row) drops its blocks. Raises ValueError if the
+    two sides disagree."""
     if not len(group_sizes) == len(block_indices) == len(chunks_per_group):
         raise ValueError(f"{len(group_sizes)} group sizes, {len(block_indices)} block "
                          f"indices, {len(chunks_per_group)} chunk counts")
     if sum(group_sizes) != len(gpu_block_ids):
         raise ValueError(f"group sizes add up to {sum(group_sizes)}, "
                          f"{len(gpu_block_ids)} GPU blocks given")
-    if sum(chunks_per_group) * blocks_per_chunk != len(rows):
-        raise ValueError(f"{len(rows)} rows for {sum(chunks_per_group)} chunks of "
-                         f"{blocks_per_chunk} blocks")
-    gpu_out: list[int] = []
-    rows_out: list[int] = []
-    missing = 0
-    gpu_at = row_at = 0
+    if sum(chunks_per_group) != len(rows):
+        raise ValueError(f"{len(rows)} rows for {sum(chunks_per_group)} chunks")
+    out = Pairs([], [], [], 0)
+    gpu_at = chunk_at = 0
     for size, first, chunks in zip(group_sizes, block_indices, chunks_per_group,
                                    strict=True):
         skip = first % blocks_per_chunk
@@ -118,12 +118,14 @@ def pair_blocks(
                              f"{-(-(skip + size) // blocks_per_chunk)} chunks, "
                              f"{chunks} given")
         for j in range(size):
-            row = rows[row_at + skip + j]
+            chunk, page = divmod(skip + j, blocks_per_chunk)
+            row = rows[chunk_at + chunk]
             if row < 0:
-                missing += 1
+                out.missing += 1
             else:
-                gpu_out.append(gpu_block_ids[gpu_at + j])
-                rows_out.append(row)
+                out.gpu.append(gpu_block_ids[gpu_at + j])
+                out.rows.append(row)
+                out.page.append(page)
         gpu_at += size
-        row_at += chunks * blocks_per_chunk
-    return gpu_out, rows_out, missing
+        chunk_at += chunks
+    return out

@@ -15,27 +15,30 @@ written out; any other policy in tierkv's registry (`tierkv.core.policies`) is
 reachable as `Tierkv<Name>` (case and `_`/`-` ignored), made on first use by the
 module's `__getattr__`, so a policy registered later plugs in with no code here.
 
-Why an adapter and not a port: the hit ratios that chose tierkv's policies were
-measured by `tierkv replay`, where a policy sees exactly three events. A completed
-load of a hit is a use (`touch`, in prefix order, last key most recent); a stored
-block is inserted, in prefix order, after the eviction that made room for it; a
-store evicts through `evict(n, protected)`, all or nothing. `TierkvPolicy` turns
-vLLM's calls into those same events and nothing else, so the policy makes the same
-decisions inside vLLM as in the replay (`tests/vllm/test_policies.py` checks the
-hit ratios agree on real traces):
+Why an adapter and not a port: the policy is tierkv's own, and it sees exactly
+three events, as in `tierkv replay` and in the broker: a use (`touch`, in order, the
+last key the most recent), a stored block (`insert`, after the eviction that made
+room for it) and `evict(n, protected)`, all or nothing. `TierkvPolicy` turns vLLM's
+calls into those events and nothing else:
 
-* a use is a first access of a request to a resident, ready chunk that has readers,
-  i.e. one being loaded: vLLM's manager pins the chunks of `prepare_load` before it
-  reports them to `on_request_access`. A ready chunk offered again to a store has no
-  reader and is not a use, as in the replay, where a store skips present keys;
-* `insert` happens in `prepare_store`, in offer order. Inserting at store
-  completion instead would follow the job's key *set*, an arbitrary order; until it
-  completes the chunk is protected from eviction and ignored by `touch`;
+* a prefix is used and stored **tail first**, so its head is the most recent of its
+  blocks and the last to go: a prefix lookup stops at the first miss, so a chain
+  without its head is worth nothing while its head alone still saves work (vLLM's
+  own LRU ranks tails before heads the same way). A request's inserts are handed to
+  the tierkv policy in one batch, tail first, before its next decision;
+* a use is a request's first access to a resident, ready chunk: one it loads, or
+  one it offers again for a store (vLLM offers a GPU-cached prefix again for every
+  request that shares it; that is the prefix being used, as vLLM's LRU counts it);
+* `insert` happens in `prepare_store`. Until the store completes the chunk is
+  protected from eviction and ignored by `touch`;
 * `on_store_miss` and `on_request_finished` change nothing: tierkv's ARCs learn
   from ghost hits in `insert`, and the request's uses were taken when they happened
   (taking them again at the end would count a reuse twice);
 * readers and unfinished stores are read from each chunk's `ref_cnt` at eviction
   time, so `mark_evictable`/`mark_non_evictable` need no bookkeeping.
+
+`tests/vllm/test_policies.py` holds the adapter's decisions, request by request, to
+tierkv's `PrimaryTier` given the same events, and its hit ratios to vLLM's LRU.
 
 All methods run on the scheduler thread that drives the manager, under its lock.
 """
@@ -45,6 +48,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 try:
@@ -59,6 +63,7 @@ except ImportError as e:  # vLLM absent, or not the 0.33 API these classes imple
 
 from tierkv.core.policies import CachePolicy, known_policies, make_policy
 from tierkv.core.policies.hints import hints_from_kv_hints
+from tierkv.vllm.request_keys import request_keys, require_request_keys
 
 #: The prefix of every policy class name this module offers.
 CLASS_PREFIX = "Tierkv"
@@ -76,20 +81,32 @@ __all__ = [
 
 
 class _Unevictable:
-    """`protected` as tierkv's evict sees it: vLLM's protected keys, and chunks that
-    are being read (ref_cnt > 0) or still being written (ref_cnt -1)."""
+    """`protected` as tierkv's evict sees it: vLLM's protected keys, the uses of
+    requests not handed over yet (`_Request`), and chunks that are being read
+    (ref_cnt > 0) or still being written (ref_cnt -1)."""
 
-    __slots__ = ("chunks", "protected")
+    __slots__ = ("chunks", "protected", "used")
 
-    def __init__(self, protected: set[OffloadKey], chunks: dict[OffloadKey, ChunkStatus]):
+    def __init__(self, protected: set[OffloadKey], used: set[OffloadKey],
+                 chunks: dict[OffloadKey, ChunkStatus]):
         self.protected = protected
+        self.used = used
         self.chunks = chunks
 
     def __contains__(self, key: object) -> bool:
-        if key in self.protected:
+        if key in self.protected or key in self.used:
             return True
         chunk = self.chunks.get(key)  # type: ignore[call-overload]
         return chunk is not None and chunk.ref_cnt != 0
+
+
+@dataclass(slots=True)
+class _Request:
+    """A request's events the tierkv policy has not seen yet: its stores, then its
+    uses (both head first), handed over tail first once it stored or finished."""
+
+    inserts: list[OffloadKey] = field(default_factory=list)
+    uses: dict[OffloadKey, None] = field(default_factory=dict)
 
 
 class TierkvPolicy(VllmCachePolicy):
@@ -97,8 +114,15 @@ class TierkvPolicy(VllmCachePolicy):
 
     Subclasses name the tierkv policy in `policy_name`; vLLM builds them with
     `cls(cache_capacity=num_chunks)`. The tierkv policy holds every chunk from its
-    `insert` to its eviction or removal, with the `ChunkStatus` as its value, so an
+    hand-over to its eviction or removal, with the `ChunkStatus` as its value, so an
     eviction hands vLLM back the very chunk objects it inserted.
+
+    Why a hand-over: vLLM pins and uses a request's hits, then evicts for its store,
+    then inserts the store's chunks head first. For the request's head to end the
+    most recent, the tierkv policy must see the stored tail first and the hits after
+    it; the hits are kept from eviction meanwhile (`_Unevictable`). So a request's
+    events wait in a `_Request` until it stored (handed over at the next decision),
+    another request stores, or it finished.
     """
 
     policy_name: ClassVar[str]
@@ -110,49 +134,53 @@ class TierkvPolicy(VllmCachePolicy):
         if not hasattr(self, "policy_name"):  # eviction_policy named the base class
             raise TypeError(f"{type(self).__name__} is the adapter's base class; "
                             f"name one of {', '.join(policy_class_names())}")
+        # The policy is told each request's whole chain, from vLLM's record of it.
+        require_request_keys(f"tierkv's {type(self).__name__}",
+                             "use one of vLLM's own eviction policies")
         super().__init__(cache_capacity)
         # Every chunk vLLM inserted and did not get back, ready or not: `get` must
         # answer for chunks still being written too (vLLM's HIT_PENDING).
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._policy: CachePolicy = make_policy(self.policy_name, cache_capacity)
         self._noted: set[str] = set()  # requests the policy was told of, until they end
+        self._requests: dict[str, _Request] = {}  # events not handed over, by request
+        self._current: str | None = None  # the request that accessed chunks last
 
     @property
     def tierkv_policy(self) -> CachePolicy:
         """The tierkv policy making the decisions (for stats and tests)."""
+        self._hand_over(list(self._requests))
         return self._policy
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self._chunks.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
-        # tierkv's ARCs admit a returning ghost straight into T2 here, which is
-        # where vLLM's ARC would use on_store_miss.
-        self._policy.insert(key, chunk)
         self._chunks[key] = chunk
+        self._request(req_context).inserts.append(key)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget a chunk whose store failed; unknown keys are ignored, as in tierkv."""
-        if self._chunks.pop(key, None) is not None:
-            self._policy.remove(key)
+        if self._chunks.pop(key, None) is None:
+            return
+        for pending in self._requests.values():
+            if key in pending.inserts:
+                pending.inserts.remove(key)
+                return
+        self._policy.remove(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """An explicit use, in the order given (prefix order from vLLM's managers):
-        the tierkv policy reads it as the replay's load of those keys."""
-        self._touch_ready(keys)
+        """An explicit use of `keys`: as `on_request_access` takes uses."""
+        self._use(order_request_keys([list(keys)], req_context), req_context)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Not a use: the base class would touch; tierkv learns from the insert."""
         return
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """A request's first access to `keys`: those being loaded are its uses.
-
-        vLLM's manager reports loaded chunks after pinning them, so a resident
-        ready chunk with readers is one this request loads (or, rarely, one it
-        offers for a store while another request loads it: in use either way).
-        Keys are put in prefix order when the request knows their positions.
-        """
+        """A request's first access to `keys`: the resident, ready ones are its uses
+        (it loads them, or offers them again for a store). Keys it is about to
+        store are not resident yet."""
         ordered = order_request_keys([list(keys)], req_context)
         # The request's whole chain and hints, before its uses (as `tierkv replay`
         # tells the policy); a policy that does not use them ignores them.
@@ -162,10 +190,7 @@ class TierkvPolicy(VllmCachePolicy):
                                        req_context)
             self._policy.note_request(req_context.req_id, chain,
                                       hints_from_kv_hints(req_context.kv_hints), self.clock())
-        chunks = self._chunks
-        loaded = [k for k in ordered if (c := chunks.get(k)) is not None and c.ref_cnt > 0]
-        if loaded:
-            self._policy.touch(loaded)
+        self._use(ordered, req_context)
 
     def on_request_finished(
         self,
@@ -174,7 +199,8 @@ class TierkvPolicy(VllmCachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        """The request's end (uses were taken at load, inserts at store)."""
+        """The request's end: what it stored and used is handed over."""
+        self._hand_over([req_context.req_id])
         self._noted.discard(req_context.req_id)
         self._policy.note_finish(req_context.req_id, self.clock())
 
@@ -184,8 +210,13 @@ class TierkvPolicy(VllmCachePolicy):
         """Exactly `n` idle chunks not in `protected`, or None and no change."""
         if n <= 0:
             return []
+        # vLLM reports a store's chunks as accessed just before it evicts for them, so
+        # the request that accessed last is the one storing: its uses stay protected.
+        self._hand_over([r for r, pending in self._requests.items()
+                         if pending.inserts or r != self._current])
+        used = {k for pending in self._requests.values() for k in pending.uses}
         victims: list[tuple[OffloadKey, ChunkStatus]] | None = self._policy.evict(
-            n, _Unevictable(protected, self._chunks)
+            n, _Unevictable(protected, used, self._chunks)
         )
         if victims is None:
             return None
@@ -198,15 +229,41 @@ class TierkvPolicy(VllmCachePolicy):
         adaptive target go too, as vLLM's contract asks."""
         self._chunks.clear()
         self._noted.clear()
+        self._requests.clear()
+        self._current = None
         self._policy = make_policy(self.policy_name, self.cache_capacity)
 
-    def _touch_ready(self, keys: Iterable[OffloadKey]) -> None:
-        # A chunk still being written is not in tierkv's policy yet (the replay
-        # inserts at store completion), so a use of it is ignored as there.
+    def _request(self, req_context: ReqContext) -> _Request:
+        pending = self._requests.get(req_context.req_id)
+        if pending is None:
+            pending = self._requests[req_context.req_id] = _Request()
+        return pending
+
+    def _use(self, head_first: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        """The ready chunks of `head_first` are used by the request (a chunk still
+        being written is not a use: the tierkv policy does not hold it yet)."""
+        self._current = req_context.req_id
         chunks = self._chunks
-        ready = [k for k in keys if (c := chunks.get(k)) is not None and c.is_ready]
+        ready = [k for k in head_first if (c := chunks.get(k)) is not None and c.is_ready]
         if ready:
-            self._policy.touch(ready)
+            self._request(req_context).uses.update(dict.fromkeys(ready))
+
+    def _hand_over(self, req_ids: Iterable[str]) -> None:
+        """Each request's stores, then its uses, tail first: its head ends the most
+        recent. tierkv's ARCs admit a returning ghost straight into T2 at the insert,
+        which is where vLLM's ARC would use on_store_miss."""
+        chunks = self._chunks
+        for req_id in req_ids:
+            pending = self._requests.pop(req_id, None)
+            if pending is None:
+                continue
+            for key in reversed(pending.inserts):
+                chunk = chunks.get(key)
+                if chunk is not None:
+                    self._policy.insert(key, chunk)
+            used = [k for k in reversed(pending.uses) if k in chunks]
+            if used:
+                self._policy.touch(used)
 
 
 class TierkvLRU(TierkvPolicy):
@@ -241,8 +298,8 @@ _CLASSES: dict[str, type[TierkvPolicy]] = {
 
 
 def _known_keys(req_context: ReqContext) -> list[OffloadKey]:
-    """Every key vLLM has made for the request so far (it records their positions)."""
-    return list(getattr(req_context, "_offload_key_positions", {}))
+    """Every key vLLM has made for the request so far (checked at start)."""
+    return [OffloadKey(k) for k in request_keys(req_context)]
 
 
 def _normal(name: str) -> str:

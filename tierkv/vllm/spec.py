@@ -1,6 +1,8 @@
-"""`TierkvOffloadingSpec`: what vLLM's `OffloadingConnector` loads by name.
+"""`TierkvOffloadingSpec`: what vLLM's offloading connector loads by name.
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "TierkvConnector",
+      "kv_connector_module_path": "tierkv.vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"spec_name": "TierkvOffloadingSpec",
         "spec_module_path": "tierkv.vllm", "tierkv_config": "/etc/tierkv/node.toml"}}'
 
@@ -8,13 +10,21 @@ Extra config read here (`kv_connector_extra_config`):
 
 * ``tierkv_config``: the node's config file (its broker address, instance name,
   client keys); or ``tierkv_instance`` and ``tierkv_address`` given directly.
-* ``namespace``: engines with the same namespace share blocks (default: derived
-  from the model, KV dtype, block geometry and parallel layout).
-* ``timeout_s`` (2.0): how long a scheduler step waits for the broker before it
-  goes on without tierkv for ``retry_s`` (5.0).
-* ``sync_lookups`` (2): requests a step looks up in a round trip of their own; the
-  step's later requests are looked up with its end-of-step round trip and
-  scheduled one step later (see `tierkv.vllm.manager`).
+* ``namespace``: stands in for the model's identity (name, revision, quantization)
+  in the namespace; engines agreeing on it and on the KV byte layout share blocks
+  (see `tierkv.vllm.identity`).
+* ``budget_ms`` (20.0): how long vLLM's scheduler thread may wait for the broker in
+  one step, all calls together; past it, lookups answer RETRY (asked again next
+  step) and stores are offered again next step.
+* ``timeout_s`` (2.0): a round trip with no reply in this long means the broker is
+  gone: no hits and no stores for ``retry_s`` (5.0).
+* ``sync_lookups`` (2): requests a step may look up in a round trip of their own
+  (within the budget); the others are answered at the next step.
+* ``max_lookup_keys`` (2048): chunks of one request in one such round trip.
+* ``lookup_wait_ms`` (250): how long a request may be told RETRY for want of the
+  broker's answer; then its lookups miss (vLLM computes) until the answer comes.
+* ``allow_unpinned`` (false): let the worker copy from a CPU tier it could not pin
+  for DMA (synchronous copies, several times slower) rather than stop at start.
 * ``block_size``: vLLM's own (tokens per offloaded chunk).
 """
 
@@ -36,8 +46,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tierkv.client import Client
 from tierkv.core.shm import SharedRegion
 from tierkv.node.config import load_config, tier_name
-from tierkv.vllm.layout import KeyMap, check_node, namespace
-from tierkv.vllm.manager import Metrics, TierkvOffloadingManager
+from tierkv.vllm.identity import EngineIdentity, current_vllm_facts
+from tierkv.vllm.layout import check_node
+from tierkv.vllm.manager import ManagerOptions, Metrics, TierkvOffloadingManager
+from tierkv.vllm.request_keys import require_request_keys
+
+CONNECTOR_HINT = ('"kv_connector": "TierkvConnector", "kv_connector_module_path": '
+                  '"tierkv.vllm.connector"')
 
 
 class TierkvOffloadingSpec(OffloadingSpec):
@@ -53,10 +68,13 @@ class TierkvOffloadingSpec(OffloadingSpec):
             Metrics.HIT_KEYS: counter("Chunks the tierkv node had ready in its CPU tier."),
             Metrics.STORED_BLOCKS: counter("Blocks the tierkv node reserved for stores."),
             Metrics.REFUSED_BLOCKS: counter(
-                "Blocks not stored: present already, or no room in the CPU tier now."),
+                "Blocks not reserved for a store: no room in the CPU tier now."),
             Metrics.ROUND_TRIPS: counter("Round trips to the tierkv broker."),
             Metrics.BROKER_FAILURES: counter(
-                "Round trips the tierkv broker did not answer in time."),
+                "Round trips the tierkv broker did not answer in time, or refused."),
+            Metrics.OVER_BUDGET: counter(
+                "Scheduler calls that went on without the broker: the step's budget_ms "
+                "was spent."),
             Metrics.ROUND_TRIP_SECONDS: OffloadingHistogramMetadata(
                 documentation="Seconds of one round trip to the tierkv broker.",
                 buckets=(1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0)),
@@ -82,34 +100,55 @@ class TierkvOffloadingSpec(OffloadingSpec):
         else:
             raise ValueError("kv_connector_extra_config needs 'tierkv_config' (the tierkv "
                              "node's config file) or 'tierkv_instance' and 'tierkv_address'")
-        self.timeout_s = float(extra.get("timeout_s", 2.0))
-        self.sync_lookups = int(extra.get("sync_lookups", 2))
-        self.retry_s = float(extra.get("retry_s", 5.0))
-        if self.timeout_s <= 0 or self.retry_s < 0 or self.sync_lookups < 0:
-            raise ValueError(f"timeout_s must be > 0, retry_s and sync_lookups >= 0, got "
-                             f"{self.timeout_s}, {self.retry_s}, {self.sync_lookups}")
-        self.world_size = config.parallel.world_size
-        self.keymap = KeyMap(self._namespace(), self.blocks_per_chunk)
+        self.timeout_s = _option(extra, "timeout_s", 2.0)
+        self.options = ManagerOptions(
+            budget_ms=_option(extra, "budget_ms", 20.0),
+            retry_s=_option(extra, "retry_s", 5.0),
+            sync_lookups=int(_option(extra, "sync_lookups", 2)),
+            max_lookup_keys=int(_option(extra, "max_lookup_keys", 2048)),
+            lookup_wait_ms=_option(extra, "lookup_wait_ms", 250.0))
+        o = self.options
+        if (self.timeout_s <= 0 or min(o.budget_ms, o.retry_s, o.sync_lookups,
+                                       o.lookup_wait_ms) < 0 or o.max_lookup_keys < 1):
+            raise ValueError(
+                f"kv_connector_extra_config: timeout_s must be > 0, budget_ms, retry_s, "
+                f"sync_lookups and lookup_wait_ms >= 0, max_lookup_keys >= 1; got "
+                f"timeout_s={self.timeout_s}, budget_ms={o.budget_ms}, retry_s={o.retry_s}, "
+                f"sync_lookups={o.sync_lookups}, lookup_wait_ms={o.lookup_wait_ms}, "
+                f"max_lookup_keys={o.max_lookup_keys}")
+        # An MLA model under tensor parallelism has the same bytes on every rank: one
+        # copy per block (rank 0 stores it, every rank loads it).
+        self.replicated_layout = bool(config.replicated_layout)
+        self.world_size = 1 if self.replicated_layout else config.parallel.world_size
+        # A row holds a chunk: a page per GPU block of it, on every rank.
+        self.node_world_size = self.world_size * self.blocks_per_chunk
+        self.facts = current_vllm_facts()
         self._manager: TierkvOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
-    def _namespace(self) -> bytes:
-        explicit = self.extra_config.get("namespace")
-        if explicit:
-            return namespace("explicit", explicit)
-        c = self.config
-        return namespace(c.model.name, c.model.dtype, c.kv_cache_layout,
-                         [(g.group_id, g.tokens_per_block) for g in c.groups],
-                         c.worker_kv_bytes_per_block, c.parallel.world_size,
-                         c.cache.tokens_per_hash, c.cache.blocks_per_chunk)
+    def identity(self) -> EngineIdentity:
+        """Every fact that decides this engine's block bytes (`tierkv.vllm.identity`)."""
+        if self.facts is None:
+            raise ValueError(
+                "tierkv.vllm needs vLLM's connector to be tierkv's: set "
+                f"{CONNECTOR_HINT} in --kv-transfer-config (it keys blocks by the model's "
+                "revision, quantization and KV layout, and recomputes failed loads)")
+        return EngineIdentity.of(self.config, self.facts, str(self.extra_config.get(
+            "namespace") or ""))
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            identity = self.identity()
+            if self.options.sync_lookups:  # it reads vLLM's record of a request's keys
+                require_request_keys("tierkv.vllm's sync_lookups", "set sync_lookups to 0 "
+                                     "in kv_connector_extra_config")
             self._check_node()
             client = Client(self.address, timeout=self.timeout_s, curve=self.curve)
+            groups = self.config.groups
             self._manager = TierkvOffloadingManager(
-                client, self.keymap, [g.group_id for g in self.config.groups], self.tiers,
-                retry_s=self.retry_s, sync_lookups=self.sync_lookups,
+                client, identity, [g.group_id for g in groups],
+                [g.group_id for g in groups if g.sliding_window_size_in_chunks is not None],
+                self.tiers, self.options,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
@@ -117,15 +156,27 @@ class TierkvOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             from tierkv.vllm.worker import TierkvOffloadingWorker
 
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
             self._worker = TierkvOffloadingWorker(
-                kv_caches, self.instance, self.config.parallel.rank, self.world_size,
-                self.blocks_per_chunk, self.config.groups[0].tokens_per_block)
+                kv_caches, self.instance, rank, self.node_world_size,
+                self.blocks_per_chunk, self.config.groups[0].tokens_per_block,
+                allow_unpinned=bool(self.extra_config.get("allow_unpinned", False)))
         return self._worker
 
     def _check_node(self) -> None:
-        """The node must be up, and hold one GPU block of every rank per CPU row."""
+        """The node must be up, and hold one chunk of every rank per CPU row."""
         with SharedRegion.attach(self.instance) as region:
             if self.config.worker_kv_bytes_per_block > 0:
                 check_node(region.layout.page_size, region.layout.world_size,
-                           self.config.worker_kv_bytes_per_block, self.world_size,
+                           self.config.worker_kv_bytes_per_block, self.node_world_size,
                            self.instance)
+
+
+def _option(extra: Any, name: str, default: float) -> float:
+    """A number from `kv_connector_extra_config`, or an error naming it."""
+    value = extra.get(name, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config: {name} must be a number, got "
+                         f"{value!r}") from None

@@ -1,0 +1,255 @@
+"""tierkv's `TierkvOffloadingManager` called the way vLLM 0.33's scheduler calls it
+when its real call patterns get in the way of each other: many requests offering the
+same chunk in one step, an engine that stops or resets with copies in flight, a
+broker that stops answering for a while, keys asked in any order.
+
+The manager is the one vLLM's real connector builds (an `Engine` with its scheduler
+side only), and it talks to a real node (broker and disk tier processes); what the
+node holds is read back by a client of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult
+
+from tests.vllm.conftest import (
+    SHAPE,
+    chunk_keys,
+    end_step,
+    extra_config,
+    manager_of,
+    node_statuses,
+    request,
+    settle,
+)
+from tierkv.bench.vllm_engine import Engine
+from tierkv.client import Client
+
+
+@pytest.fixture
+def engine_on(start_node):
+    engines: list[Engine] = []
+
+    def make(node, copy: bool = False, shape=SHAPE, **options) -> Engine:
+        engine = Engine(shape, extra_config(node, **options), copy=copy,
+                        name=f"e{len(engines)}")
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def stored(manager, keys: list[bytes], req_id: str = "writer") -> None:
+    """`keys` stored through the manager, committed and settled."""
+    ctx = request(req_id, keys)
+    with manager.lock:
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None and out.keys_to_store == keys
+        manager.complete_store(set(keys), ctx)
+    settle(manager)
+
+
+# -- item 1: a chunk is a hit only once the job that writes it is done ----------------------
+
+
+def test_a_chunk_two_requests_offer_is_written_and_committed_by_one_job(start_node, engine_on):
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node))
+    keys = chunk_keys(3)
+    first, second, reader = (request(n, keys) for n in ("first", "second", "reader"))
+    with m.lock:
+        out_first = m.prepare_store(keys, first)
+        out_second = m.prepare_store(keys, second)  # the same chunks, the same step
+    assert out_first is not None and out_first.keys_to_store == keys
+    # In flight already: vLLM's own manager leaves them out too, so the second job
+    # writes nothing, and its end commits nothing.
+    assert out_second is not None and out_second.keys_to_store == []
+    with m.lock:
+        m.complete_store(set(keys), second)
+    settle(m)
+    blocks = m.keymap.keys(keys)
+    assert node_statuses(node, blocks) == ["pending"] * 3
+    with m.lock:
+        assert m.lookup(keys[0], reader) is not LookupResult.HIT
+        m.complete_store(set(keys), first)
+    settle(m)
+    assert node_statuses(node, blocks) == ["hit"] * 3
+
+
+def test_a_store_with_no_room_now_is_offered_again_and_then_stored(start_node, engine_on):
+    node = start_node(cpu_blocks=4, disk_blocks=0)
+    m = manager_of(engine_on(node))
+    with Client.from_config(node.config) as other:
+        theirs = [b"other-%d" % i for i in range(4)]
+        other.reserve(theirs)
+        other.commit(theirs)
+        other.pin(theirs)  # every CPU row in use by another engine's reads
+        keys = chunk_keys(2)
+        ctx = request("r", keys)
+        with m.lock:
+            assert m.prepare_store(keys, ctx) is None  # vLLM offers them again next step
+        other.release(theirs)
+        end_step(m)
+        with m.lock:
+            out = m.prepare_store(keys, ctx)
+            assert out is not None and out.keys_to_store == keys
+            m.complete_store(set(keys), ctx)
+    settle(m)
+    assert node_statuses(node, m.keymap.keys(keys)) == ["hit", "hit"]
+
+
+# -- item 2: nothing this engine started stays pending ---------------------------------------
+
+
+def test_an_engine_that_shuts_down_with_a_store_in_flight_leaves_nothing_pending(
+        start_node, engine_on):
+    node = start_node(cpu_blocks=32)
+    engine = engine_on(node)
+    m = manager_of(engine)
+    keys = chunk_keys(3)
+    with m.lock:
+        assert m.prepare_store(keys, request("r", keys)).keys_to_store == keys
+    blocks = m.keymap.keys(keys)
+    assert node_statuses(node, blocks) == ["pending"] * 3
+    engine.close()  # vLLM: the workers stopped, then the scheduler's connector
+    assert node_statuses(node, blocks) == ["miss"] * 3
+
+
+def test_a_reset_with_copies_in_flight_lets_go_once_the_workers_are_done(
+        start_node, engine_on):
+    node = start_node(cpu_blocks=4, disk_blocks=0)
+    m = manager_of(engine_on(node))
+    old, new = chunk_keys(2, seed=1), chunk_keys(2, seed=2)
+    stored(m, old)
+    ctx = request("r", old + new)
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in old] == [LookupResult.HIT] * 2
+        m.prepare_load(old, ctx)  # a load in flight: its rows pinned
+        assert m.prepare_store(new, ctx).keys_to_store == new  # a store in flight
+        m.reset_cache()
+    settle(m)
+    rows_for = [b"another-%d" % i for i in range(4)]  # every row of the CPU tier
+    with Client.from_config(node.config) as other:
+        # The workers may still copy those rows: they stay held...
+        assert not other.reserve(rows_for).ok
+        with m.lock:
+            m.on_reset_flushed()  # ...until vLLM says every job of before the reset ended
+        settle(m)
+        assert other.reserve(rows_for).ok
+
+
+def test_a_commit_owed_while_the_broker_was_stopped_is_not_dropped(start_node, engine_on):
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node, timeout_s=0.5, retry_s=0.2))
+    keys = chunk_keys(2)
+    ctx = request("r", keys)
+    with m.lock:
+        assert m.prepare_store(keys, ctx).keys_to_store == keys
+        m.complete_store(set(keys), ctx)  # owed: rides the step's round trip
+    node.kill("broker", signal.SIGSTOP)
+    try:
+        end_step(m)  # the round trip gets no reply: the broker counts as down
+        m.link.send(m.link.batch()).wait(5.0)  # the lost call has ended after this one
+        with m.lock:
+            m.has_pending_work()  # takes the lost call's end
+    finally:
+        node.kill("broker", signal.SIGCONT)
+    settle(m)
+    assert node_statuses(node, m.keymap.keys(keys)) == ["hit", "hit"]
+
+
+# -- item 6: any order converges ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("sync_lookups", [2, 0])
+def test_keys_asked_last_to_first_are_answered_within_two_steps(
+        start_node, engine_on, sync_lookups):
+    """vLLM's sliding-window scan asks a request's keys from the end."""
+    from dataclasses import replace
+
+    shape = replace(SHAPE, sliding_window=4 * SHAPE.block_size)
+    node = start_node(cpu_blocks=64)
+    m = manager_of(engine_on(node, shape=shape, sync_lookups=sync_lookups))
+    full, window = chunk_keys(6, group=0), chunk_keys(6, group=1)
+    stored(m, full + window)
+    ctx = request("asker", full, window)
+    answers: list[list[LookupResult]] = []
+    for _ in range(2):
+        with m.lock:
+            answers.append([m.lookup(k, ctx) for k in reversed(window)])
+        end_step(m)
+        m.link.send(m.link.batch()).wait(10.0)  # the step's round trip is back
+    assert answers[-1] == [LookupResult.HIT] * 6, answers
+
+
+def test_a_vllm_without_the_request_key_record_is_stopped_at_start(
+        start_node, monkeypatch):
+    """`sync_lookups` and tierkv's policies read vLLM's private record of a request's
+    keys: a vLLM that does not keep it stops the engine at start, naming its
+    version (and with `sync_lookups` 0 the connector needs none)."""
+    import vllm
+    from vllm.v1.kv_offload.base import ReqContext
+
+    import tierkv.vllm.request_keys as request_keys
+    from tierkv.vllm.policies import TierkvLRU
+
+    class Renamed(ReqContext):
+        def __getattribute__(self, name: str):
+            if name == request_keys.RECORD:
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(request_keys, "ReqContext", Renamed)
+    node = start_node(cpu_blocks=8)
+    with pytest.raises(RuntimeError, match=f"vLLM {vllm.__version__}.*sync_lookups to 0"):
+        Engine(SHAPE, extra_config(node), copy=False)
+    with pytest.raises(RuntimeError, match=f"TierkvLRU cannot run on vLLM {vllm.__version__}"):
+        TierkvLRU(cache_capacity=4)
+    Engine(SHAPE, extra_config(node, sync_lookups=0), copy=False).close()
+
+
+# -- item 10: the rest of vLLM's contract --------------------------------------------------
+
+
+def test_a_chunk_offered_again_is_used_again(start_node, engine_on):
+    """vLLM offers a GPU-cached prefix again for every request that shares it (and
+    0.33 never calls `touch`): that keeps it in the node, tail before head."""
+    node = start_node(cpu_blocks=4, disk_blocks=0, cpu={"policy": "lru"})
+    m = manager_of(engine_on(node))
+    shared, once = chunk_keys(2, seed=1), chunk_keys(2, seed=2)
+    stored(m, shared, "first")
+    stored(m, once, "second")
+    with m.lock:  # offered again: present, so not stored, but used
+        assert m.prepare_store(shared, request("third", shared)).keys_to_store == []
+    settle(m)
+    with Client.from_config(node.config) as other:
+        assert other.reserve([b"new-0", b"new-1"]).ok  # two rows: the least recent go
+    assert node_statuses(node, m.keymap.keys(shared)) == ["hit", "hit"]
+    assert node_statuses(node, m.keymap.keys(once)) == ["miss", "miss"]
+
+
+def test_shutdown_after_a_step_that_raised_does_not_hang(start_node, engine_on):
+    """A `schedule()` that raised leaves vLLM's step region, and so the manager's
+    lock, held; vLLM then calls `shutdown` without it."""
+    import threading
+
+    node = start_node(cpu_blocks=8)
+    engine = engine_on(node)
+    m = manager_of(engine)
+    keys = chunk_keys(2)
+    with m.lock:
+        m.prepare_store(keys, request("r", keys))
+    assert m.lock.acquire(timeout=5)  # left held by the step that raised
+    try:
+        stopping = threading.Thread(target=engine.close, daemon=True)
+        stopping.start()
+        stopping.join(timeout=60)
+        assert not stopping.is_alive()
+    finally:
+        m.lock.release()
+    assert node_statuses(node, m.keymap.keys(keys)) == ["miss", "miss"]

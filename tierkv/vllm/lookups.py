@@ -1,0 +1,124 @@
+"""One request's lookups: which of its keys to ask the broker about, and its answers.
+
+vLLM asks about one key at a time, in whatever order its scan goes: a prefix scan
+from the first block the GPU lacks, a sliding-window scan from the last block
+backwards, a scan that stops at a miss or goes on past keys it was told RETRY. Two
+things make any order converge:
+
+* every key vLLM asked and got no answer for is *asked* (`RequestLookups.asks`),
+  never overwritten, and the step's end sends them all, so the next step answers
+  every key the same scan will ask again;
+* a request's first key without an answer in a step may also be looked up at once,
+  with the keys its scan will ask next (`chain_for`): the ones after it for a
+  full-attention group, the ones before it for a sliding-window group, at most
+  `max_keys` of them, so the work of one request in one round trip is bounded.
+
+Answers are per vLLM chunk. A hit was pinned by the broker pass that found it and
+stays pinned until vLLM loads it (`prepare_load` claims the pins), or for
+`HIT_STEPS` steps; any other answer serves the step it was meant for and is asked
+again after (a miss can become a hit when another engine stores it, a pending
+block lands).
+
+Full-attention groups are looked up as leading runs (the broker stops promoting at
+the first key no tier holds); a model with a sliding-window group is looked up key
+by key (its scan needs a status per key), for every group, since the broker takes
+one mode per message.
+
+Runs on the scheduler thread, under the manager's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, get_offload_group_idx
+
+from tierkv.client import Lookup
+from tierkv.vllm.layout import KeyMap
+from tierkv.vllm.request_keys import request_keys
+
+HIT_STEPS = 4  # steps a hit vLLM did not load stays pinned for its request
+STATUS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
+          "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
+# Answers that defer the request: asked again at the step's end.
+AGAIN = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+
+
+@dataclass(slots=True)
+class Answer:
+    """What a chunk is, and what serving it needs: its CPU row in `region`, and the
+    tierkv key pinned for it (claimed by `prepare_load`)."""
+
+    status: LookupResult
+    until: int  # the last step it may be used in
+    row: int = -1
+    pinned: list[bytes] = field(default_factory=list)
+    source: str | None = None
+    region: str = ""
+
+
+@dataclass(slots=True)
+class RequestLookups:
+    ctx: ReqContext
+    answers: dict[bytes, Answer] = field(default_factory=dict)
+    asks: dict[bytes, None] = field(default_factory=dict)  # asked, no answer yet
+    synced: int = -1  # the step of its last lookup of its own
+    waiting_since: float | None = None  # told RETRY for want of an answer since then
+
+
+def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],
+              window_groups: frozenset[int], max_keys: int) -> dict[int, list[bytes]]:
+    """The keys to look up with `key`, per KV-cache group, in position order: those
+    the scan that asked `key` asks next (see the module docstring)."""
+    positions = request_keys(ctx)
+    at = positions.get(OffloadKey(key))
+    if at is None:
+        return {get_offload_group_idx(OffloadKey(key)): [key]}
+    backwards = get_offload_group_idx(OffloadKey(key)) in window_groups
+    picked = [(p, k) for k, p in positions.items()
+              if (p <= at if backwards else p >= at) and k not in answered]
+    picked.sort()
+    picked = picked[-max_keys:] if backwards else picked[:max_keys]
+    chains: dict[int, list[bytes]] = {}
+    for _, k in picked:
+        chains.setdefault(get_offload_group_idx(k), []).append(k)
+    return chains
+
+
+def head_first(keys: Iterable[bytes], ctx: ReqContext) -> list[bytes]:
+    """`keys` in the request's order, first block first (vLLM's public getter)."""
+    return sorted(keys, key=lambda k: ctx.get_offload_key_position(OffloadKey(k)) or 0)
+
+
+def asked_chains(state: RequestLookups) -> dict[int, list[bytes]]:
+    """A request's asked keys, per group, in position order."""
+    chains: dict[int, list[bytes]] = {}
+    for k in head_first(state.asks, state.ctx):
+        chains.setdefault(get_offload_group_idx(OffloadKey(k)), []).append(k)
+    return chains
+
+
+def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
+                 until: int) -> dict[bytes, Answer]:
+    """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
+    lookup failed, every chunk a miss."""
+    if found is None:
+        return {k: Answer(LookupResult.MISS, until) for k in chain}
+    rows = found.rows or [-1] * len(chain)
+    if found.statuses is None:  # a leading run
+        rest = "retry" if found.pending or found.retry else "miss"
+        statuses = ["hit"] * found.hits + [rest] * (len(chain) - found.hits)
+        sources: Sequence[str | None] = [None] * len(chain)
+    else:
+        statuses = found.statuses
+        sources = found.sources or [None] * len(chain)
+    answers: dict[bytes, Answer] = {}
+    for chunk, status, row, source in zip(chain, statuses, rows, sources, strict=True):
+        if status == "hit" and row >= 0:
+            answers[chunk] = Answer(LookupResult.HIT, until, row, [keymap.key(chunk)],
+                                    source, found.region)
+        else:  # a hit whose pin was refused (the owner's share) reads as a miss
+            answers[chunk] = Answer(LookupResult.MISS if status == "hit" else STATUS[status],
+                                    until)
+    return answers
