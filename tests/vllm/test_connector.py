@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,35 @@ def two_engines_one_after_the_other(node: Any, **options: Any) -> tuple[Engine, 
     return first, second
 
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "race"])
+def test_copies_submitted_while_the_model_still_writes_store_its_final_bytes(
+        start_node, ordered):
+    """vLLM submits a step's transfers after it launched the forward pass; here the
+    stand-in model is still writing (half of each new block) on its own thread when
+    every transfer is submitted. The copies wait for tierkv's CPU ordering point, so
+    every block stored holds the model's final bytes: a second engine loads every one
+    of them back and checks it byte for byte. The negative control takes the ordering
+    away (and lets the copies run first): the half-written blocks are stored."""
+    node = start_node(cpu_blocks=128)
+    first = Engine(SHAPE, extra_config(node), name="a", order_copies=ordered)
+    second = Engine(SHAPE, extra_config(node), name="b")
+    try:
+        docs = documents(4)
+        run_round(first, docs, 0)
+        run_round(second, docs, 1)
+    finally:
+        first.close()
+        second.close()
+    assert first.tokens["copies_submitted_mid_forward"] > 0
+    assert first.mismatches == []  # its own blocks were never read half-written
+    # Every full block of every document but the GPU-cached tail came from tierkv.
+    assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
+    if ordered:
+        assert second.mismatches == []
+    else:
+        assert second.mismatches
+
+
 def test_two_engines_share_one_node(start_node):
     """A prefix one engine stored is a hit for another engine on the same node (vLLM's
     own offloading keeps each engine's CPU cache to itself)."""
@@ -126,10 +156,14 @@ def test_a_tier_killed_mid_run_costs_hits_never_correctness(start_node):
         run_round(engine, docs, 0)
         for doc in docs:
             engine.add(doc + [7, 8, 1], max_tokens=2)
-        for _ in range(50):  # until lookups started promotions from disk (bounded)
+        # Until lookups started promotions from disk: bounded in time, not in steps (a
+        # loaded machine answers the scheduler's lookups some steps later).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             engine.step()
             if node_stats(node)["tiering"]["promotions_started"]:
                 break
+            time.sleep(0.01)
         assert node_stats(node)["tiering"]["promotions_started"] > 0
         node.kill("tier:disk:0")
         engine.run(timeout_s=120)  # promotions in flight fail after broker.job_timeout_s

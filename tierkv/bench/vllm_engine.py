@@ -11,6 +11,16 @@ prefix cache or an offloading load put there with the wrong bytes is caught
 (`Engine.mismatches`). Sampled tokens are a function of the request and position,
 so runs are repeatable.
 
+The stand-in model runs as vLLM's model runs on a GPU with async scheduling: a
+step launches its forward pass and goes on (`StandInModel`: forward passes run in
+launch order on a thread of their own, as kernels run on a stream). A forward pass
+writes half of each new block, then waits until the engine has gone on to submit
+the next step's transfers (the stores of the blocks it is writing among them),
+then writes the rest: every transfer is submitted while the model still writes.
+The copies are ordered after it through tierkv's CPU ordering point
+(`TierkvOffloadingWorker.order_after`); `order_copies=False` takes the ordering
+away and lets the copies finish before the model does (the race, made certain).
+
 Needs vLLM 0.33 (`pip install 'tierkv[vllm]'`); a tiny local model config is
 written to a temporary directory (no weights, no network).
 """
@@ -20,12 +30,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import tempfile
+import threading
 import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,6 +241,73 @@ def block_bytes(block_hash: bytes, size: int) -> np.ndarray:
         int.from_bytes(seed[:8], "little")).bytes(size), dtype=np.uint8)
 
 
+#: Bound on every wait of the stand-in model's thread and of its shutdown.
+MODEL_WAIT_S = 60.0
+
+_Check = tuple[str, int, int, int, bytes]  # req_id, group, block index, GPU block, hash
+_Write = tuple[int, int, bytes]  # group, GPU block, hash
+
+
+@dataclass
+class Forward:
+    """One launched forward pass: the blocks it checks, the blocks it writes, and
+    the blocks it checks that a request before it in the same step writes (checked
+    once written). `gate` holds it half-way through its writes; `done` is its fence."""
+
+    checks: list[_Check]
+    writes: list[_Write]
+    late_checks: list[_Check]
+    gate: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class StandInModel:
+    """Forward passes run in launch order on one thread of their own (a GPU stream's
+    analogue). `run_forward` does one; the launching thread goes on at once."""
+
+    def __init__(self, run_forward: Callable[[Forward], None], name: str) -> None:
+        self._run_forward = run_forward
+        self._queue: queue.Queue[Forward | None] = queue.Queue()
+        self._launched: list[Forward] = []  # not yet done, in launch order
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-model", daemon=True)
+        self._thread.start()
+
+    def launch(self, forward: Forward) -> None:
+        self._launched = [f for f in self._launched if not f.done.is_set()]
+        self._launched.append(forward)
+        self._queue.put(forward)
+
+    def fence(self) -> threading.Event | None:
+        """The newest forward pass's end if it has not ended (forward passes end in
+        launch order, so it covers every write launched so far), else None."""
+        newest = self._launched[-1] if self._launched else None
+        return newest.done if newest is not None and not newest.done.is_set() else None
+
+    def release(self, keep: Forward | None = None) -> None:
+        """Let the forward passes finish their writes (all but `keep`)."""
+        for forward in self._launched:
+            if forward is not keep:
+                forward.gate.set()
+
+    def close(self) -> None:
+        """Finish every forward pass launched, then stop the thread (bounded)."""
+        self.release()
+        self._queue.put(None)
+        self._thread.join(MODEL_WAIT_S)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the stand-in model did not finish within {MODEL_WAIT_S}s")
+
+    def _loop(self) -> None:
+        while (forward := self._queue.get()) is not None:
+            try:
+                self._run_forward(forward)
+            except Exception as e:  # reported by the test, never a hang
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                forward.done.set()
+
+
 @dataclass
 class Engine:
     """One vLLM engine: scheduler, worker-side connector, KV tensors, stand-in model."""
@@ -240,6 +319,9 @@ class Engine:
     # no worker on a machine without a GPU).
     copy: bool = True
     name: str = "engine"
+    # False: the copies are not ordered after the model (a negative control): each
+    # step's copies are waited for before the model finishes its writes.
+    order_copies: bool = True
     scheduler: Scheduler = field(init=False)
     worker: Any = field(init=False)  # the worker-side connector
     kv: dict[str, torch.Tensor] = field(init=False)
@@ -264,6 +346,7 @@ class Engine:
                                    block_size=self.shape.block_size, log_stats=True)
         self.worker = None
         self.kv = {}
+        self._model: StandInModel | None = None
         if self.copy:
             self.worker = KVConnectorFactory.create_connector(self.config,
                                                               KVConnectorRole.WORKER, kv_config)
@@ -273,6 +356,8 @@ class Engine:
             self.kv = {f"model.layers.{i}.self_attn.attn": backing[i]
                        for i in range(s.layers)}
             self.worker.register_kv_caches(self.kv)
+            self._model = StandInModel(self._run_forward, self.name)
+            self._copier().order_after(self._order)
         # Per KV-cache group: the KV tensors of its layers.
         self._group_layers = [[self.kv[n] for n in g.layer_names] if self.kv else []
                               for g in kv_config.kv_cache_groups]
@@ -297,6 +382,8 @@ class Engine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: requests still running after {timeout_s}s")
             self.step()
+        if self._model is not None:
+            self._model.release()
         for _ in range(3):  # let the last stores finish and their commits reach the node
             self.step()
 
@@ -343,18 +430,29 @@ class Engine:
         """The worker side of a step, in the order vLLM 0.33's model runner takes it:
         the stores deferred from the last step are submitted first, sync loads before
         the forward pass, async loads after it, then what finished and what failed."""
-        worker = self.worker
-        assert worker is not None
+        worker, model = self.worker, self._model
+        assert worker is not None and model is not None
         meta = out.kv_connector_metadata
+        if meta.jobs_to_flush or out.has_sync_kv_loads:
+            # vLLM waits for these copies before the forward pass: a model held
+            # until later would never let them (ordered after it) finish.
+            model.release()
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             worker.start_load_kv(None)  # type: ignore[arg-type]
-        self._forward(out)
+        launched = self._forward(out)
         if not out.has_sync_kv_loads:
             worker.start_load_kv(None)  # type: ignore[arg-type]
         worker.wait_for_save()
         results = worker.get_transfer_results(out.finished_req_ids)
+        # This step's transfers reached the copy engines while the forward passes
+        # launched before still wrote; they may finish now (this step's, whose
+        # blocks are stored next step, is held until then).
+        if not self.order_copies:
+            copier = self._copier()
+            copier.wait(copier.in_flight())  # the race, every time
+        model.release(keep=launched)
         output = KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
@@ -375,10 +473,29 @@ class Engine:
         req = self.scheduler.requests[req_id]
         return 3 + zlib.crc32(f"{req_id}:{req.num_tokens}".encode()) % 30000
 
-    def _forward(self, out: Any) -> None:
-        """Check what each scheduled request counts as computed, then compute its new
-        full blocks (write their bytes), group by group; null blocks (outside a
-        sliding window) hold nothing."""
+    def _copier(self) -> Any:
+        """tierkv's `TierkvOffloadingWorker` inside vLLM's worker-side connector."""
+        assert self.worker is not None
+        return self.worker.connector_worker.worker
+
+    def _order(self) -> threading.Event | None:
+        """tierkv's CPU ordering point (`HostOrder`), asked as copies are submitted:
+        the fence of the model's writes launched so far."""
+        assert self._model is not None
+        fence = self._model.fence()
+        if fence is not None:
+            self.tokens["copies_submitted_mid_forward"] += 1
+        return fence if self.order_copies else None
+
+    def _forward(self, out: Any) -> Forward | None:
+        """Launch the step's forward pass: check what each scheduled request counts
+        as computed, then compute its new full blocks (write their bytes), group by
+        group; null blocks (outside a sliding window) hold nothing. What to do is
+        read from the scheduler here; the model's thread does it."""
+        checks: list[_Check] = []
+        late: list[_Check] = []
+        writes: list[_Write] = []
+        written: set[tuple[int, int]] = set()
         bs = self.shape.block_size
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests.get(req_id)
@@ -392,19 +509,41 @@ class Engine:
             for group, block_ids in enumerate(groups):
                 for i in range(min(first_new, len(req.block_hashes), len(block_ids))):
                     if block_ids[i]:
-                        self._check(req_id, group, i, block_ids[i], req.block_hashes[i])
+                        (late if (group, block_ids[i]) in written else checks).append(
+                            (req_id, group, i, block_ids[i], req.block_hashes[i]))
                 for i in range(first_new, min(end, len(block_ids))):
                     if block_ids[i]:
-                        self._write(group, block_ids[i], req.block_hashes[i])
+                        writes.append((group, block_ids[i], req.block_hashes[i]))
+                        written.add((group, block_ids[i]))
+        if not (checks or writes) or self._model is None:
+            return None
+        forward = Forward(checks, writes, late)
+        self._model.launch(forward)
+        return forward
+
+    def _run_forward(self, forward: Forward) -> None:
+        """On the model's thread: the checks, the first half of every new block, a
+        wait until the engine submitted its next transfers (bounded), the rest."""
+        for check in forward.checks:
+            self._check(*check)
+        half = self.shape.layer_page_bytes // 2
+        for group, block_id, block_hash in forward.writes:
+            self._write(group, block_id, block_hash, slice(0, half))
+        if forward.writes and not forward.gate.wait(MODEL_WAIT_S):
+            self.mismatches.append(f"{self.name}: a forward pass was held {MODEL_WAIT_S}s")
+        for group, block_id, block_hash in forward.writes:
+            self._write(group, block_id, block_hash, slice(half, None))
+        for check in forward.late_checks:
+            self._check(*check)
 
     def _pages(self, group: int, block_id: int) -> list[np.ndarray]:
         return [t[block_id].view(torch.uint8).view(-1).numpy()
                 for t in self._group_layers[group]]
 
-    def _write(self, group: int, block_id: int, block_hash: bytes) -> None:
+    def _write(self, group: int, block_id: int, block_hash: bytes, part: slice) -> None:
         page = self.shape.layer_page_bytes
         for layer, view in enumerate(self._pages(group, block_id)):
-            view[:] = block_bytes(block_hash + bytes([group, layer]), page)
+            view[part] = block_bytes(block_hash + bytes([group, layer]), page)[part]
 
     def _check(self, req_id: str, group: int, index: int, block_id: int,
                block_hash: bytes) -> None:
@@ -456,6 +595,9 @@ class Engine:
     # -- results -------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._model is not None:
+            self._model.close()
+            self.mismatches += self._model.errors
         if self.worker is not None:
             self.worker.shutdown()
         connector = self.scheduler.connector

@@ -11,6 +11,12 @@ A row holds a chunk: block j of it on rank r is page ``r * blocks_per_chunk + j`
 (`layout.py`), so this worker has a copy engine per page it copies (one when a
 chunk is one GPU block).
 
+Ordering after the model: a CUDA copy waits for the work queued on the submitting
+thread's current stream. CPU KV tensors have no stream; an engine whose model
+writes them on a thread of its own hands `order_after` a `HostOrder` (asked when a
+batch is handed to the copy engines, on that thread), whose fence every copy waits
+for. vLLM's CPU model runner computes on the submitting thread and needs none.
+
 `submit_*` only queue. vLLM submits a step's transfers job by job (hundreds in a
 busy step); they are handed to the copy engines as one job per direction, region
 and page when vLLM next asks what finished or waits (`_launch`), on the same
@@ -51,6 +57,7 @@ from tierkv.vllm.jobs import TierkvLoadStoreSpec
 from tierkv.vllm.layout import check_node, pair_blocks
 from tierkv.wire.protocol import TransferJob, TransferOutcome
 from workers.gpu.jobs import TransferError
+from workers.gpu.streams import HostOrder
 from workers.gpu.transfer import TransferEngine
 
 log = logging.getLogger("tierkv.vllm")
@@ -116,6 +123,7 @@ class TierkvOffloadingWorker(OffloadingWorker):
         self._failures: list[Failure] = []
         self._reported: list[int] = []  # vLLM jobs reported done, for the connector
         self._report = False  # a connector takes failures (`report_failures`)
+        self._order: HostOrder | None = None  # CPU copies wait for its fence
         self._engine_for(None)  # map the region now: a node that is not there fails here
 
     # -- OffloadingWorker --------------------------------------------------------------
@@ -145,9 +153,9 @@ class TierkvOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         self._launch()
         deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while job_ids & self._in_flight():
+        while job_ids & self.in_flight():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tierkv copies {sorted(job_ids & self._in_flight())} "
+                raise TimeoutError(f"tierkv copies {sorted(job_ids & self.in_flight())} "
                                    f"did not finish within {WAIT_TIMEOUT_S:.0f}s")
             for engine in self._all_engines():
                 if engine.in_flight:
@@ -159,6 +167,19 @@ class TierkvOffloadingWorker(OffloadingWorker):
             self._close(engines)
         self._engines.clear()
         self._kv.close()
+
+    def order_after(self, order: HostOrder | None) -> None:
+        """Order every CPU copy handed to the copy engines from now on after the
+        fence `order` returns at that moment (None: after nothing): the CPU analogue
+        of the CUDA path's wait for the current stream, for a model that writes the
+        KV cache on another thread than the one that submits transfers."""
+        self._order = order
+        for engine in self._all_engines():
+            engine.order = order
+
+    def in_flight(self) -> set[int]:
+        """vLLM jobs handed to the copy engines and not yet finished."""
+        return set(self._parts)
 
     # -- failures (TierkvConnector) ----------------------------------------------------
 
@@ -235,9 +256,6 @@ class TierkvOffloadingWorker(OffloadingWorker):
     def _all_engines(self) -> list[TransferEngine]:
         return [e for engines in self._engines.values() for e in engines]
 
-    def _in_flight(self) -> set[int]:
-        return set(self._parts)
-
     def _collect(self) -> None:
         for engine in self._all_engines():
             if engine.in_flight:
@@ -303,7 +321,8 @@ class TierkvOffloadingWorker(OffloadingWorker):
                        self._kv.layout.page_size, self._world_size, self.instance)
             for page in range(self.blocks_per_chunk):
                 engine = TransferEngine(region, self.rank * self.blocks_per_chunk + page,
-                                        "auto", allow_unpinned=self.allow_unpinned)
+                                        "auto", allow_unpinned=self.allow_unpinned,
+                                        order=self._order)
                 engines.append(engine)
                 engine.attach(self._kv)
         except TransferError as e:

@@ -4,6 +4,14 @@ One background thread runs the copies (numpy releases the GIL while it copies, s
 the worker's socket loop keeps running), one job at a time: loads first when both
 directions wait, each direction in submission order.
 
+Ordering after the model: the CUDA path orders a job after the work queued on the
+submitting thread's current stream; here there is no stream, so the submitter may
+hand an `order` (`workers.gpu.streams.HostOrder`): called on the submitting thread
+at `submit`, it returns a fence for the KV writes launched so far (a CPU model
+running on a thread of its own), and the copy thread waits for that fence before it
+touches the job's blocks. A store submitted while the model still writes reads the
+finished KV; a load is not overwritten by a write launched before it.
+
 How a job is copied (measured on CPU; see tierkv/bench/copy_engine.py):
 every tensor is seen as bytes ``(blocks, outer, inner)`` on both sides (the KV
 cache and this rank's pages of the region), so a block is `outer` pieces of
@@ -42,6 +50,7 @@ from workers.gpu.jobs import JobError, check_deadline, failed, runs
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
     from tierkv.engine import OpenedKV
+    from workers.gpu.streams import HostFence, HostOrder
 
 log = logging.getLogger("tierkv.transfer_cpu")
 
@@ -50,8 +59,13 @@ log = logging.getLogger("tierkv.transfer_cpu")
 MIN_RUN_BYTES = 16 << 10
 #: Gather chunk per tensor: small enough to stay in L2 between gather and scatter.
 CHUNK_BYTES = 512 << 10
+#: How long a job waits for the model's writes it is ordered after before it fails
+#: (a model that never finishes must not hold the copy thread, and attach/close, for ever).
+FENCE_TIMEOUT_S = 60.0
 
 _Views = tuple[list[np.ndarray], list[np.ndarray]]  # (kv side, region side) per tensor
+# A job waiting for the copy thread: its ids, and the fence it is ordered after.
+_Queued = tuple[TransferJob, np.ndarray, np.ndarray, "HostFence | None"]
 
 
 class CpuBackend:
@@ -62,12 +76,14 @@ class CpuBackend:
     device = None  # follows any CPU KV cache
 
     def __init__(self, region: SharedRegion, rank: int,
-                 notify: Callable[[], None] = lambda: None) -> None:
+                 notify: Callable[[], None] = lambda: None,
+                 order: HostOrder | None = None) -> None:
         self._region = region
         self._rank = rank
         self._notify = notify  # called on the copy thread each time a job finished
+        self._order = order  # called on the submitting thread: what a job waits for
         self._views: _Views | None = None
-        self._queues: dict[str, deque[tuple[TransferJob, np.ndarray, np.ndarray]]] = {
+        self._queues: dict[str, deque[_Queued]] = {
             "load": deque(), "store": deque(),
         }
         self._done: deque[TransferOutcome] = deque()
@@ -89,11 +105,14 @@ class CpuBackend:
             self._views = views
 
     def submit(self, job: TransferJob, gpu: np.ndarray, cpu: np.ndarray) -> None:
+        # Asked here, on the submitting thread: the fence covers the writes this
+        # thread launched before the job, not those launched after.
+        fence = None if self._order is None else self._order()
         with self._cond:
             if self._stopping:
                 self._done.append(failed(job.job_id, ErrorCode.UNAVAILABLE, "engine closing"))
                 return
-            self._queues[job.direction].append((job, gpu, cpu))
+            self._queues[job.direction].append((job, gpu, cpu, fence))
             self._cond.notify_all()
 
     def poll(self) -> list[TransferOutcome]:
@@ -127,11 +146,11 @@ class CpuBackend:
                     self._cond.notify_all()
                     return
                 queue = self._queues["load"] or self._queues["store"]
-                job, gpu, cpu = queue.popleft()
+                job, gpu, cpu, fence = queue.popleft()
                 self._busy = True
                 views = self._views
             try:
-                self._done.append(self._execute(job, gpu, cpu, views))
+                self._done.append(self._execute(job, gpu, cpu, views, fence))
             finally:
                 with self._cond:
                     self._busy = False
@@ -144,9 +163,13 @@ class CpuBackend:
         gpu: np.ndarray,
         cpu: np.ndarray,
         views: _Views | None,
+        fence: HostFence | None = None,
     ) -> TransferOutcome:
-        start = time.monotonic()
         try:
+            if fence is not None and not fence.wait(FENCE_TIMEOUT_S):
+                raise JobError(ErrorCode.TIMEOUT, f"job {job.job_id}: the KV writes it is "
+                               f"ordered after did not finish within {FENCE_TIMEOUT_S:.0f} s")
+            start = time.monotonic()
             check_deadline(job, start)
             if views is None:
                 raise JobError(ErrorCode.UNAVAILABLE, f"job {job.job_id}: no KV cache attached")

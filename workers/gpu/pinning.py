@@ -16,6 +16,13 @@ copy backend's own share one registration; the last reference unregisters. It us
 so a KV cache on another GPU than the one the worker pinned with still gets DMA.
 Every call runs under the given device, so no context is created on GPU 0 by a
 worker of another GPU.
+
+In pieces: the region is registered `PIECE_BYTES` at a time, not as one range. One
+``cudaHostRegister`` of tens of GiB is one call the driver must satisfy whole (some
+drivers and IOMMU setups refuse single ranges that large, and the call cannot be
+interrupted); pieces stay within what every driver we target accepts for one
+registration, and a failure names the piece. If any piece fails, the pieces already
+registered are unregistered: a region is pinned whole or not at all.
 """
 
 from __future__ import annotations
@@ -25,11 +32,54 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger("tierkv.pinning")
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+#: Bytes registered by one ``cudaHostRegister`` call (the last piece may be shorter).
+#: 1 GiB: far below any per-registration limit, few enough calls (16 for 16 GiB) that
+#: their overhead does not show next to faulting the pages in.
+PIECE_BYTES = 1 << 30
+
+
+class HostRegistrar(Protocol):
+    """The runtime's page-locking calls (a seam: the CPU tests record them)."""
+
+    def register(self, ptr: int, size: int) -> int:
+        """``cudaHostRegister(ptr, size, portable)``: 0 or the cudaError code."""
+
+    def unregister(self, ptr: int) -> int:
+        """``cudaHostUnregister(ptr)``: 0 or the cudaError code."""
+
+    def error_name(self, rc: int) -> str:
+        """The cudaError's name; clears the runtime's last error."""
+
+
+class CudartRegistrar:
+    """`HostRegistrar` through torch's cudart and the loaded CUDA runtime."""
+
+    def register(self, ptr: int, size: int) -> int:
+        import torch
+
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, size,
+                                                        CUDA_HOST_REGISTER_PORTABLE))
+
+    def unregister(self, ptr: int) -> int:
+        import torch
+
+        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    def error_name(self, rc: int) -> str:
+        from workers.gpu.cudart import cuda_runtime
+
+        runtime = cuda_runtime()
+        if runtime is None:
+            return "unknown"
+        name = runtime.error_name(rc)
+        runtime.clear_error()
+        return name
 
 
 class UnpinnedRefused(RuntimeError):
@@ -48,8 +98,18 @@ class Pinned:
     error: str = ""
 
 
+@dataclass
+class _Entry:
+    """This process's registration of one region: its references, the pieces it
+    registered (empty: it failed) and the calls that unregister them."""
+
+    references: int
+    pieces: list[int]
+    registrar: HostRegistrar
+
+
 _LOCK = threading.Lock()
-_ENTRIES: dict[int, list[int]] = {}  # address -> [references, size, registered 0/1]
+_ENTRIES: dict[int, _Entry] = {}  # address -> its registration
 
 
 def _device_guard(device: int | None) -> contextlib.AbstractContextManager[object]:
@@ -60,35 +120,47 @@ def _device_guard(device: int | None) -> contextlib.AbstractContextManager[objec
     return torch.cuda.device(device)
 
 
-def pin_host(ptr: int, size: int, device: int | None = None) -> Pinned:
-    """Register [ptr, ptr+size) unless this process already did (one more reference
-    then). Never raises for a CUDA error: the result says whether it is pinned."""
+def pin_host(ptr: int, size: int, device: int | None = None,
+             registrar: HostRegistrar | None = None) -> Pinned:
+    """Register [ptr, ptr+size) in pieces of `PIECE_BYTES` unless this process already
+    did (one more reference then). Never raises for a CUDA error: the result says
+    whether it is pinned, and if not, which piece failed (none stays registered)."""
     with _LOCK:
         entry = _ENTRIES.get(ptr)
         if entry is not None:
-            entry[0] += 1
-            return Pinned(ptr, size, bool(entry[2]))
-        import torch
-
-        from workers.gpu.cudart import cuda_runtime
-
+            entry.references += 1
+            return Pinned(ptr, size, bool(entry.pieces))
+        calls = registrar or CudartRegistrar()
+        pieces: list[int] = []
+        error = ""
         start = time.perf_counter()
         with _device_guard(device):
-            rc = int(torch.cuda.cudart().cudaHostRegister(ptr, size,
-                                                         CUDA_HOST_REGISTER_PORTABLE))
-            seconds = time.perf_counter() - start
-            runtime = cuda_runtime()
-            error = ""
-            if rc != 0:
-                name = runtime.error_name(rc) if runtime is not None else "unknown"
-                error = f"cudaHostRegister failed with cudaError {rc} ({name})"
-                if runtime is not None:
-                    runtime.clear_error()
-        ok = rc == 0
-        _ENTRIES[ptr] = [1, size, int(ok)]
-        if ok:
-            log.info("pinned %.1f GiB for DMA in %.2f s", size / 2**30, seconds)
-        return Pinned(ptr, size, ok, seconds, error)
+            for at in range(ptr, ptr + size, PIECE_BYTES):
+                rc = calls.register(at, min(PIECE_BYTES, ptr + size - at))
+                if rc != 0:
+                    error = (f"cudaHostRegister failed with cudaError {rc} "
+                             f"({calls.error_name(rc)}) on the piece at "
+                             f"{(at - ptr) / 2**30:.1f} GiB of {size / 2**30:.1f} GiB "
+                             f"(pieces of {PIECE_BYTES / 2**30:g} GiB; none left pinned)")
+                    _unregister(calls, pieces)
+                    pieces = []
+                    break
+                pieces.append(at)
+        seconds = time.perf_counter() - start
+        _ENTRIES[ptr] = _Entry(1, pieces, calls)
+        if pieces:
+            log.info("pinned %.1f GiB for DMA in %.2f s (%d pieces)", size / 2**30, seconds,
+                     len(pieces))
+        return Pinned(ptr, size, bool(pieces), seconds, error)
+
+
+def _unregister(calls: HostRegistrar, pieces: list[int]) -> None:
+    """Unregister every piece (a failure is logged: the others still go)."""
+    for at in pieces:
+        rc = calls.unregister(at)
+        if rc != 0:
+            log.warning("cudaHostUnregister failed with cudaError %d (%s)", rc,
+                        calls.error_name(rc))
 
 
 def unpin_host(ptr: int, device: int | None = None) -> float:
@@ -98,24 +170,15 @@ def unpin_host(ptr: int, device: int | None = None) -> float:
         entry = _ENTRIES.get(ptr)
         if entry is None:
             return 0.0
-        entry[0] -= 1
-        if entry[0] > 0:
+        entry.references -= 1
+        if entry.references > 0:
             return 0.0
         del _ENTRIES[ptr]
-        if not entry[2]:
+        if not entry.pieces:
             return 0.0
-        import torch
-
-        from workers.gpu.cudart import cuda_runtime
-
         start = time.perf_counter()
         with _device_guard(device):
-            rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-            if rc != 0:
-                runtime = cuda_runtime()
-                if runtime is not None:
-                    runtime.clear_error()
-                log.warning("cudaHostUnregister failed with cudaError %d", rc)
+            _unregister(entry.registrar, entry.pieces)
         return time.perf_counter() - start
 
 
@@ -123,7 +186,7 @@ def is_pinned(ptr: int) -> bool | None:
     """This process's registration of `ptr`: True, False (tried, failed), None (never)."""
     with _LOCK:
         entry = _ENTRIES.get(ptr)
-        return None if entry is None else bool(entry[2])
+        return None if entry is None else bool(entry.pieces)
 
 
 def refuse_message(pinned: Pinned) -> str:

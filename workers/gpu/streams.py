@@ -16,6 +16,7 @@ the completion threads block on. None of them blocks but ``synchronize``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -66,6 +67,23 @@ class StreamOps(Protocol):
 
     def seconds(self, start: Any, end: Any) -> float:
         """Device seconds between two completed timing events."""
+
+
+class HostFence(Protocol):
+    """The CPU copy path's analogue of a recorded CUDA event: a point the engine's
+    host-side compute reaches (a CPU model's forward pass that writes the KV cache on
+    a thread of its own has finished). `threading.Event` is one."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the point is reached (True) or `timeout` passed (False)."""
+
+
+#: The CPU copy path's analogue of ``record(event, current_stream())``: called on the
+#: thread that submits a job, as it submits it; returns the fence after which every
+#: write to the KV cache launched so far is done (None: nothing is pending, as in
+#: vLLM's CPU model runner, which computes on the submitting thread). The copy
+#: thread waits for it before it reads or writes the job's KV blocks.
+HostOrder = Callable[[], HostFence | None]
 
 
 class TorchStreams:

@@ -31,7 +31,10 @@ says it for users):
   so far on the submitting thread's current stream, so a store submitted right
   after the forward pass was launched reads the finished KV, and a load is not
   overwritten by a write (a zeroing) queued before it. Submit from the thread that
-  queued those writes, with their stream current. A loaded block is still read
+  queued those writes, with their stream current. A CPU KV cache has no stream: a
+  job is ordered after the fence the engine's `order` returns when it is submitted
+  (`workers.gpu.streams.HostOrder`; none: the writes launched so far are done, as
+  when the model computes on the submitting thread). A loaded block is still read
   only once the load was seen finished. Another process's streams are not seen:
   for the gpu worker the host rules hold.
 * What can be checked here is: a load into a GPU block that a store in flight still
@@ -68,7 +71,7 @@ from workers.gpu.reservations import BlockUse
 if TYPE_CHECKING:
     from tierkv.core.shm import SharedRegion
     from tierkv.engine import OpenedKV
-    from workers.gpu.streams import StreamOps
+    from workers.gpu.streams import HostFence, HostOrder, StreamOps
 
 log = logging.getLogger("tierkv.transfer")
 
@@ -99,7 +102,10 @@ class TransferEngine:
     device staging buffers of each direction (CUDA only). `allow_unpinned`: accept
     a region that cannot be pinned for DMA (CUDA; otherwise attach fails).
     `streams`: the CUDA backend's stream calls (None: torch's; gpu-check passes its
-    own to show the race the ordering prevents)."""
+    own to show the race the ordering prevents). `order`: what a CPU backend's job
+    waits for before it touches the KV cache (the engine's model writing it on
+    another thread; None, or an `order` that returns None: nothing). It may be set
+    later (`order` attribute); it is asked on the thread that calls `submit`."""
 
     def __init__(
         self,
@@ -111,6 +117,7 @@ class TransferEngine:
         wakeup: Wakeup | None = None,
         allow_unpinned: bool = False,
         streams: StreamOps | None = None,
+        order: HostOrder | None = None,
     ) -> None:
         if not 0 <= rank < region.layout.world_size:
             raise TransferError(f"rank {rank} out of range [0, {region.layout.world_size})")
@@ -122,6 +129,7 @@ class TransferEngine:
         self.staging_bytes = staging_bytes
         self.allow_unpinned = allow_unpinned
         self.streams = streams
+        self.order = order
         self.wakeup = wakeup  # notified from the copy threads when a job finished
         self._finished = threading.Event()  # the same, for `wait`
         self._kv: OpenedKV | None = None
@@ -212,8 +220,13 @@ class TransferEngine:
         if kind == "cpu":
             from workers.gpu.copy_cpu import CpuBackend
 
-            return CpuBackend(self.region, self.rank, self._notify)
+            return CpuBackend(self.region, self.rank, self._notify, self._fence)
         raise TransferError(f"no transfer backend for device type {kind!r}")
+
+    def _fence(self) -> HostFence | None:
+        """The CPU backend's `order`: this engine's current one, so setting `order`
+        after the backend was made takes effect at the next submit."""
+        return None if self.order is None else self.order()
 
     def _drain_backend(self) -> None:
         assert self._backend is not None
