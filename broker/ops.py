@@ -120,7 +120,8 @@ class StepOps:
         for req_id, context, hints in contexts:
             self._remember(req_id, context, hints)
         if "lookup" in sections:
-            self._lookup(owner, sections["lookup"], msg.lookup_status, msg.lookup_pin, out)
+            self._lookup(owner, sections["lookup"], msg.lookup_status, msg.lookup_modes,
+                         msg.lookup_pin, out)
         if "pin" in sections:
             self._pin(owner, sections["pin"], out, each)
         if "load" in sections:
@@ -149,8 +150,10 @@ class StepOps:
         while len(self.contexts) > MAX_CONTEXTS:
             del self.contexts[next(iter(self.contexts))]
 
-    def _lookup(self, owner: Owner, groups: _Groups, per_key: bool, pin: bool,
+    def _lookup(self, owner: Owner, groups: _Groups, per_key: bool, modes: bytes, pin: bool,
                 out: dict[str, Any]) -> None:
+        """Each group a leading run, or (`per_key`, or its byte of `modes`) each key on
+        its own; statuses and sources come back for every key when any group asked."""
         manager = self.core.manager
         hits: list[int] = []
         state: list[int] = []
@@ -159,24 +162,28 @@ class StepOps:
         rows: list[int] = []
         contexts = self.contexts
         tier_index = {t.name: i + 1 for i, t in enumerate(manager.tiers)}
-        for _, req_id, keys in groups:
+        statuses_wanted = per_key or any(modes)
+        for i, req_id, keys in groups:
             known = contexts.get(req_id) if contexts and req_id is not None else None
             allowed, hints = (known[0].tiers, known[1]) if known is not None else (None, None)
             status: list[int] | None = None
-            if per_key:
+            if modes[i] if modes else per_key:
                 found, status = manager.lookup_keys(keys, req_id, allowed, hints)
                 statuses.extend(status)
                 sources.extend(tier_index.get(manager.source_of(k) or "", 0) if st == HIT
                                else 0 for k, st in zip(keys, status, strict=True))
             else:
                 found = manager.lookup(keys, req_id, allowed, hints)
+                if statuses_wanted:  # a place for its keys in the arrays, never read
+                    statuses.extend([HIT] * found.hits + [0] * (len(keys) - found.hits))
+                    sources.extend([0] * len(keys))
             hits.append(found.hits)
             state.append(2 if found.retry else 1 if found.pending else 0)
             if pin:
                 rows.extend(self._pin_hits(owner, keys, req_id, found.hits, status))
         out["hits"] = np.asarray(hits, np.int32).tobytes()
         out["state"] = bytes(state)
-        if per_key:
+        if statuses_wanted:
             out["status"] = bytes(statuses)
             out["sources"] = bytes(sources)
             out["tiers"] = [t.name for t in manager.tiers]

@@ -546,6 +546,10 @@ class Batch:
         tokens = self._client.registration_tokens
         if tokens and ("store" in fields or "load" in fields):
             fields["kv_tokens"] = [tokens.get(r, "") for r in range(max(tokens) + 1)]
+        lookups = self._sections.get("lookup")
+        modes = [bool(e) for e in lookups.extra] if lookups is not None else []
+        if any(modes) and not all(modes):  # some groups per key, others a leading run
+            fields["lookup_modes"] = bytes(modes)
         return OpsRequest(request_id, blob, width, lens, finish=self._finish,
                           contexts=self._contexts, lookup_status=self._status,
                           lookup_pin=bool(self._pin),

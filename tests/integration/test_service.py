@@ -225,3 +225,28 @@ def test_a_waiting_client_is_answered_when_its_job_finishes_not_at_the_next_tick
     load = c.load(ks, [2, 3], "r")
     assert c.wait([load.job_id], timeout=5.0)[load.job_id].success
     assert cluster.holds(ks, [2, 3])
+
+
+def test_a_leading_run_group_stops_promoting_at_its_first_miss_beside_a_per_key_group(
+        make_cluster):
+    """A hybrid model's step: its full-attention chain is a leading run (promotions
+    stop at the first key no tier holds), its sliding-window chain key by key (every
+    key a tier holds is promoted). One flag per message made both per key."""
+    cluster = make_cluster(cpu={"num_blocks": 8})
+    c = cluster.client()
+    full, window = keys(1, 2, 3, prefix=b"a"), keys(1, 2, prefix=b"b")
+    cluster.fill([*full, *window], list(range(5)))
+    wait_for(c, {c.store([*full, *window], list(range(5))).job_id})
+    step_until(c, lambda: c.stats()["tiers"]["memory"]["blocks"] == 5
+               and c.stats()["tiering"]["cascades_in_flight"] == 0)
+    fillers = keys(*range(10, 18), prefix=b"f")  # evict them all from the CPU tier
+    cluster.fill(fillers, list(range(8)))
+    wait_for(c, {c.store(fillers, list(range(8))).job_id})
+    before = c.stats()["tiering"]["promotions_started"]
+    gap = keys(99, prefix=b"x")  # held by no tier
+    found_full, found_window = c.batch().lookup([full[0], *gap, *full[1:]], "full") \
+        .lookup([window[0], *gap, window[1]], "window", status=True).send()
+    assert found_full.statuses is None and found_full.pending
+    assert found_window.statuses == ["pending", "miss", "pending"]
+    # full[0] and both window keys; not full[1:], behind the full chain's first miss.
+    assert c.stats()["tiering"]["promotions_started"] - before == 3

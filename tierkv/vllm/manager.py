@@ -108,7 +108,6 @@ class TierkvOffloadingManager(OffloadingManager):
         self.identity = identity
         self.group_ids = list(group_ids)  # vLLM's offloaded groups, in spec order
         self.window_groups = frozenset(window_groups)  # scanned from the end
-        self.per_key = bool(self.window_groups)  # statuses per key (else leading runs)
         self.tiers = NodeTiers(tiers)
         self.options = options
         self.enable_events = enable_events
@@ -180,19 +179,22 @@ class TierkvOffloadingManager(OffloadingManager):
         chains = chain_for(state.ctx, key, state.answers, self.window_groups,
                            self.options.max_lookup_keys)
         call = self.rounds.send(self._lookups(
-            [(state.ctx.req_id, c) for c in chains.values()], until=self._step))
+            [(state.ctx.req_id, g, c) for g, c in chains.items()], until=self._step))
         if not self.rounds.wait(call):
             return None
         self.rounds.apply(call)
         answer = state.answers.get(key)
         return answer if answer is not None and answer.until >= self._step else None
 
-    def _lookups(self, chains: Iterable[tuple[str, list[bytes]]], until: int,
+    def _lookups(self, chains: Iterable[tuple[str, int, list[bytes]]], until: int,
                  step: bool = False) -> tuple[Any, Carried]:
         """A round trip of lookups (their answers serve through step `until`)."""
         batch, carried = self.rounds.open(self.generation, step)
-        for req_id, chain in chains:
-            batch.lookup(self.keymap.keys(chain), req_id, status=self.per_key, pin=True)
+        for req_id, group, chain in chains:
+            # Sliding-window groups key by key; full attention a leading run, whose
+            # promotions stop at its first miss.
+            batch.lookup(self.keymap.keys(chain), req_id, status=group in self.window_groups,
+                         pin=True)
             carried.lookups.append((req_id, chain, until))
         return batch, carried
 
@@ -382,18 +384,18 @@ class TierkvOffloadingManager(OffloadingManager):
         self._flush_waited = False
         self._idle = False
 
-    def _take_asks(self) -> list[tuple[str, list[bytes]]]:
+    def _take_asks(self) -> list[tuple[str, int, list[bytes]]]:
         """The asked keys for one round trip, per request and group, within the limits
         of one message (the rest stay asked)."""
-        chains: list[tuple[str, list[bytes]]] = []
+        chains: list[tuple[str, int, list[bytes]]] = []
         keys = 0
         for req_id, state in self._requests.items():
             if not state.asks:
                 continue
-            for chain in asked_chains(state).values():
+            for group, chain in asked_chains(state).items():
                 if keys + len(chain) > FLUSH_KEYS or len(chains) >= FLUSH_GROUPS:
                     return chains
-                chains.append((req_id, chain))
+                chains.append((req_id, group, chain))
                 keys += len(chain)
                 for chunk in chain:
                     del state.asks[chunk]

@@ -174,6 +174,10 @@ class OpsRequest(Message):
     # Tokens of KV registrations (by rank) this client may `store`/`load` with although
     # another client made them (`Client.use_kv`); its own need none.
     kv_tokens: list[str] = field(default_factory=list)
+    # uint8 per lookup group: 1 its keys each on their own with a status (sliding-window
+    # layers), 0 a leading run (full attention: promotions stop at its first miss).
+    # Empty: `lookup_status` for every group.
+    lookup_modes: bytes = b""
 
     def check(self) -> None:
         for name, values, limit in (("contexts", self.contexts, MAX_CONTEXTS),
@@ -213,6 +217,11 @@ class OpsRequest(Message):
                                         f"bytes for {items} items")
         if taken != n:
             raise ProtocolError(f"ops: the sections take {taken} keys, the blob has {n}")
+        if self.lookup_modes:
+            lookups = len(self.lookup.counts) // 4 if self.lookup is not None else 0
+            if len(self.lookup_modes) != lookups or max(self.lookup_modes) > 1:
+                raise BadRequest(f"ops.lookup_modes: {len(self.lookup_modes)} bytes of 0 or 1 "
+                                 f"wanted, one per lookup group ({lookups})")
         if not 0 <= self.wait_s <= 3600:
             raise ProtocolError(f"ops.wait_s: {self.wait_s} is not 0..3600")
 
