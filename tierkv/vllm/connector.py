@@ -140,7 +140,7 @@ class TierkvConnector(OffloadingConnector):
                 raise RuntimeError(f"tierkv: load job {failure.job_id} of request {req_id} "
                                    f"failed ({failure.why}), and vLLM cannot recompute a sync "
                                    "load of a model with several KV-cache groups")
-        for job_id in worker.take_reported():
+        for job_id in worker.take_reported():  # type: ignore[attr-defined]
             self._load_jobs.pop(job_id, None)
 
     # -- scheduler side --------------------------------------------------------------------

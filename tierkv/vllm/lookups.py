@@ -82,7 +82,7 @@ def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],
     picked = picked[-max_keys:] if backwards else picked[:max_keys]
     chains: dict[int, list[bytes]] = {}
     for _, k in picked:
-        chains.setdefault(get_offload_group_idx(k), []).append(k)
+        chains.setdefault(get_offload_group_idx(OffloadKey(k)), []).append(k)
     return chains
 
 

@@ -281,7 +281,7 @@ class TierkvOffloadingManager(OffloadingManager):
             return None
         holdings = self.holdings
         offered = [bytes(k) for k in keys]
-        todo = [k for k in offered if not holdings.busy(k, self.keymap.key(k))]
+        todo = [k for k in offered if not holdings.busy(k, [self.keymap.key(k)])]
         if not todo:
             return self._nothing_to_store()
         if not self.rounds.can_wait():
