@@ -474,10 +474,13 @@ class BrokerCore:
             for peer in self.peers.peers.values():
                 peer.last_seen = min(now, peer.last_seen + gap)
             self.owners.credit(gap, now)
+            self.transfers.credit(gap)
+            for tier in self.remote_tiers.values():
+                tier.credit(gap)
         self.owners.expire(now)
         for peer in self.peers.silent(now):
             self._peer_gone(peer, f"silent for {now - peer.last_seen:.1f}s", fence_it=True)
-        for transfer in self.transfers.overdue(now):
+        for transfer in self.transfers.overdue(now, 3 * self.config.broker.heartbeat_s):
             for rank in list(transfer.pending_ranks):
                 worker = self._workers.get(rank)
                 if worker is not None:

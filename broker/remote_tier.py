@@ -18,7 +18,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierkv.core.errors import LOST, ErrorCode
@@ -251,6 +251,12 @@ class RemoteTier(SecondaryTier):
     @property
     def held_jobs(self) -> int:
         return sum(len(jobs) for jobs in self._held.values())
+
+    def credit(self, gap: float) -> None:
+        """The broker did not listen for `gap` seconds: its view of the deadlines moves
+        with it (the tier process still fails a late job itself)."""
+        self._in_flight = {job_id: replace(entry, deadline=entry.deadline + gap)
+                           for job_id, entry in self._in_flight.items()}
 
     def overdue(self, now: float) -> set[bytes]:
         """Peers holding a job `fence_grace_s` past its deadline: hung, to be fenced.

@@ -68,8 +68,16 @@ class TransferTracker:
                     finished.append(done)
         return finished
 
-    def overdue(self, now: float) -> list[Transfer]:
-        return [t for t in self.jobs.values() if t.deadline and now > t.deadline]
+    def overdue(self, now: float, grace_s: float = 0.0) -> list[Transfer]:
+        """Jobs `grace_s` past their deadline (a live worker fails a late job itself
+        and reports it within the grace; only a hung one does not)."""
+        return [t for t in self.jobs.values() if t.deadline and now > t.deadline + grace_s]
+
+    def credit(self, gap: float) -> None:
+        """The broker did not listen for `gap` seconds: its deadlines move with it."""
+        for transfer in self.jobs.values():
+            if transfer.deadline:
+                transfer.deadline += gap
 
     def __len__(self) -> int:
         return len(self.jobs)

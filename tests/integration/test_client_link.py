@@ -106,3 +106,18 @@ def test_each_client_hears_of_its_own_blocks_and_a_router_of_all(make_cluster, t
         published |= {k for e in batch["events"] if e["tier"] == "cpu" for k in e["keys"]}
     assert published >= set(mine + theirs)
     sub.close()
+
+
+def test_a_list_over_the_limit_is_refused_under_its_own_request_id(make_cluster):
+    """The refusal of a message with a list over MAX_LIST came back under id 0: the
+    client skipped it as stale and waited out its timeout (BrokerUnavailable)."""
+    from tierkv.client import RemoteError
+    from tierkv.wire.protocol import MAX_LIST
+
+    c = make_cluster().client(timeout=5.0)
+    batch = c.batch()
+    for _ in range(MAX_LIST + 1):
+        batch.finish("r")
+    with pytest.raises(RemoteError) as refused:
+        batch.send()
+    assert refused.value.code == "protocol" and "max_array_len" in refused.value.message

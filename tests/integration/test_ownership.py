@@ -339,3 +339,29 @@ def test_a_broker_that_stalled_kills_none_of_its_healthy_children(make_cluster):
     ks = keys(1, 2)
     cluster.fill(ks, [0, 1])
     wait_for(c, {c.store(ks, [0, 1]).job_id})  # and the node serves on
+
+
+def test_a_whole_node_stalled_past_a_jobs_deadline_kills_no_child(make_cluster):
+    """The broker's own stall also moves its view of job deadlines: a worker stopped
+    with a job, then the broker with it past `job_timeout_s` (a stalled machine), was
+    fenced when both resumed, though it would fail the late job itself."""
+    cluster = make_cluster(cpu={"num_blocks": 8}, broker={"job_timeout_s": 2.0})
+    c = cluster.client()
+    worker = cluster.node.children["worker0"].proc
+    broker = cluster.node.children["broker"].proc
+    ks = keys(1, 2)
+    cluster.fill(ks, [0, 1])
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        store = c.store(ks, [0, 1])
+        time.sleep(0.2)
+        broker.send_signal(signal.SIGSTOP)
+        time.sleep(3 * cluster.config.broker.job_timeout_s)
+    finally:
+        broker.send_signal(signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)
+    result = wait_for(c, {store.job_id}, timeout=30)[store.job_id]  # failed or not: ends
+    assert c.stats()["broker"]["peers_fenced"] == 0
+    assert worker.poll() is None and broker.poll() is None
+    if not result.success:
+        wait_for(c, {c.store(ks, [0, 1]).job_id})  # and the node serves on

@@ -4,9 +4,11 @@
                  [--disk-dir DIR] [--s3-endpoint URL] [--trace PATH]
 
 PART is one or more of datapath, disk, s3, control, scaling, policies, or all (the
-default); `peers` and `vllm` are opt-in, run only when named (`peers`: tierkv beside
-LMCache and vLLM, in an environment of their own that its first run builds; `vllm`:
-tierkv inside vLLM's scheduler, with vLLM installed; see docs/benchmarks.md).
+default); `peers`, `vllm` and `engine` are opt-in, run only when named (`peers`: tierkv
+beside LMCache and vLLM, in an environment of their own that its first run builds;
+`vllm`: tierkv inside vLLM's scheduler, with vLLM installed; `engine`: a real vLLM
+engine on the CPU with and without tierkv, in the environment `scripts/test` builds
+for tests/engine; see docs/benchmarks.md).
 Each part measures the service against the physical limit next to it,
 in the same run (a plain memcpy, pwrite/dd on the same filesystem, boto3 on the
 same endpoint, the in-process manager, the smallest size), prints its rows as it
@@ -44,10 +46,11 @@ PARTS = {
     "policies": "tierkv.bench.policies",
 }
 # Opt-in parts: run only when named, never by `all`.
-OPT_IN = {"peers": "tierkv.bench.peers", "vllm": "tierkv.bench.vllm"}
+OPT_IN = {"peers": "tierkv.bench.peers", "vllm": "tierkv.bench.vllm",
+          "engine": "tierkv.bench.engine"}
 DEFAULT_BUDGET_S = 180.0
 # Parts whose default budget is not DEFAULT_BUDGET_S (peers builds an environment).
-PART_BUDGETS = {"peers": 1200.0, "vllm": 900.0}
+PART_BUDGETS = {"peers": 1200.0, "vllm": 900.0, "engine": 1800.0}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,11 @@ derived from its key: end-to-end integrity, mismatches must be 0.
     tierkv demo                 # about a minute; report table, JSON and PNG in ./tierkv-demo
     tierkv demo --quick         # a short run (the test suite runs this)
     tierkv demo --trace conversation_trace.jsonl --requests 2000
+    tierkv demo --engine vllm   # then a real vLLM engine (CPU) through the same node
+
+With `--engine vllm` the report adds a real engine's run (`tierkv.demo.vllm_demo`):
+time to first token with and without tierkv hits, and whether every output is the
+same, token for token, as an engine's without offloading.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ def demo_workload(n: int, seed: int) -> list[Request]:
 
 
 def run(config: Config, requests: list[Request], progress: bool,
-        speedup: float) -> dict[str, Any]:
+        speedup: float, engine_work: Path | None = None, quick: bool = False
+        ) -> dict[str, Any]:
+    """The demo on `config`'s node; with `engine_work`, then a real vLLM engine through
+    the same node (`tierkv.demo.vllm_demo`), its files under that directory."""
     from tqdm import tqdm
 
     node = Node(config)
@@ -103,7 +111,13 @@ def run(config: Config, requests: list[Request], progress: bool,
         bar.close()
         stats = client.stats()
         client.close()
-        return build_report(config, totals, stats, windows.points, elapsed)
+        report = build_report(config, totals, stats, windows.points, elapsed)
+        if engine_work is not None:
+            from tierkv.demo.vllm_demo import run_engine
+
+            report["engine"] = run_engine(node.config_path, engine_work, quick,
+                                          say=lambda line: print(line, file=sys.stderr))
+        return report
     finally:
         if engine is not None:
             engine.close()
@@ -128,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup", type=float,
                         help="replay arrival times this much faster (default 15; 10 for a trace)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--engine", choices=["vllm"],
+                        help="then drive a real vLLM engine (its CPU build, in .venv-engine, "
+                             "built the first time) through the same node: time to first "
+                             "token with and without tierkv hits, and output identity")
     args = parser.parse_args(argv)
     setup_logging("demo", "warning")
     n = args.requests or (150 if args.quick else 900)
@@ -146,13 +164,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tierkv demo: {e}", file=sys.stderr)
             return 2
         speedup = args.speedup or (10.0 if args.trace else 15.0)
-        report = run(config, requests, not args.no_progress and sys.stderr.isatty(), speedup)
+        engine_work = None
+        if args.engine:
+            from tierkv.demo.vllm_demo import page_size
+
+            if (config.cpu.page_size, config.cpu.world_size) != (page_size(), 1):
+                print(f"tierkv demo: --engine vllm needs cpu.page_size = {page_size()} and "
+                      f"cpu.world_size = 1 (its model's KV block); the config has "
+                      f"{config.cpu.page_size} and {config.cpu.world_size}", file=sys.stderr)
+                return 2
+            engine_work = Path(tmp) / "engine"
+            engine_work.mkdir()
+        report = run(config, requests, not args.no_progress and sys.stderr.isatty(), speedup,
+                     engine_work, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / "hit_ratio.png")
     print(render(report))
-    print(f"\nreport: {args.out / 'report.json'}   plot: {args.out / 'hit_ratio.png'}")
     ok = report["integrity"]["mismatches"] == 0 and report["failed_jobs"] == 0
+    if "engine" in report:
+        from tierkv.demo.vllm_demo import engine_ok, render_engine
+
+        print("\n" + render_engine(report["engine"]))
+        ok = ok and engine_ok(report["engine"])
+    print(f"\nreport: {args.out / 'report.json'}   plot: {args.out / 'hit_ratio.png'}")
     return 0 if ok else 1
 
 

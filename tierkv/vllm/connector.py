@@ -98,7 +98,7 @@ class TierkvConnector(OffloadingConnector):
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, OffloadingConnectorMetadata):
             for job_id, job in connector_metadata.load_jobs.items():
-                self._load_jobs[job_id] = (job.req_id, job.sync)
+                self._load_jobs[job_id] = (job.req_id, getattr(job, "sync", False))  # 0.33
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)

@@ -113,7 +113,8 @@ class EngineIdentity:
         return cls(
             model=model, kv_dtype=config.model.dtype,
             kv_cache_layout=str(config.kv_cache_layout or ""),
-            groups=tuple((g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks)
+            groups=tuple((g.group_id, g.tokens_per_block,
+                          getattr(g, "sliding_window_size_in_chunks", None))  # 0.33 only
                          for g in config.groups),
             kv_specs=facts.kv_specs, kv_packing=facts.kv_packing,
             kv_bytes_per_block=config.worker_kv_bytes_per_block,

@@ -155,9 +155,14 @@ class TierkvPolicy(VllmCachePolicy):
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self._chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus,
+               req_context: ReqContext | None = None) -> None:
+        # vLLM 0.32 calls insert(key, chunk): such chunks wait under no request's id,
+        # handed over at the next decision like any request's.
         self._chunks[key] = chunk
-        self._request(req_context).inserts.append(key)
+        pending = (self._request(req_context) if req_context is not None
+                   else self._requests.setdefault("", _Request()))
+        pending.inserts.append(key)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget a chunk whose store failed; unknown keys are ignored, as in tierkv."""

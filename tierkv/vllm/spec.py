@@ -30,6 +30,7 @@ Extra config read here (`kv_connector_extra_config`):
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -82,6 +83,7 @@ class TierkvOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        _say_what_this_vllm_lacks()
         extra = self.extra_config
         if config.canonical_layout:
             raise ValueError("tierkv keeps each rank's own block layout: remove "
@@ -147,7 +149,8 @@ class TierkvOffloadingSpec(OffloadingSpec):
             groups = self.config.groups
             self._manager = TierkvOffloadingManager(
                 client, identity, [g.group_id for g in groups],
-                [g.group_id for g in groups if g.sliding_window_size_in_chunks is not None],
+                [g.group_id for g in groups  # the field is vLLM 0.33's: 0.32 has none
+                 if getattr(g, "sliding_window_size_in_chunks", None) is not None],
                 self.tiers, self.options,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
@@ -180,3 +183,20 @@ def _option(extra: Any, name: str, default: float) -> float:
     except (TypeError, ValueError):
         raise ValueError(f"kv_connector_extra_config: {name} must be a number, got "
                          f"{value!r}") from None
+
+
+_SAID: list[str] = []  # what was said of this vLLM: once per process
+
+
+def _say_what_this_vllm_lacks() -> None:
+    """vLLM 0.32 runs tierkv too, without two hooks 0.33 added: say so once at start."""
+    import vllm
+
+    minor = ".".join(vllm.__version__.split(".")[:2])
+    if minor == "0.32" and not _SAID:
+        _SAID.append(minor)
+        logging.getLogger("tierkv.vllm").warning(
+            "vLLM %s: it never calls on_request_access and has no request hints "
+            "(kv_hints), so tierkv's policies inside vLLM learn from stores and finishes "
+            "only and the node's policy is told no hints; vLLM 0.33 has both",
+            vllm.__version__)

@@ -138,13 +138,22 @@ def check_tree(value: Any, where: str, max_depth: int, max_nodes: int) -> None:
 
 
 def peek_id(data: bytes) -> int | None:
-    """The request id of a message that failed to decode, for the error reply."""
+    """The request id of a message that failed to decode, for the error reply. Only
+    the top map's keys are read and every other value skipped unread: a message
+    refused for a list over a limit still gets its reply under its own id (its client
+    skips a reply under another id as stale, and would wait out its timeout)."""
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_LIST)
-        request_id = obj.get("id") if isinstance(obj, dict) else None
-        return request_id if type(request_id) is int else None
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_array_len=64,
+                                    max_map_len=64, max_str_len=64, max_bin_len=64)
+        unpacker.feed(data)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                request_id = unpacker.unpack()
+                return request_id if type(request_id) is int else None
+            unpacker.skip()
     except Exception:
         return None
+    return None
 
 
 def to_record(cls: type[T], obj: Any, where: str = "") -> T:
