@@ -94,10 +94,11 @@ def test_the_byte_check_catches_a_corrupted_cpu_tier(start_node, instance):
     assert engine.mismatches
 
 
-def two_engines_one_after_the_other(node: Any, **options: Any) -> tuple[Engine, Engine]:
+def two_engines_one_after_the_other(node: Any, order_copies: bool = True,
+                                    **options: Any) -> tuple[Engine, Engine]:
     """Two engines on one node, the second serving the documents the first computed;
-    neither ever read a wrong byte."""
-    first = Engine(SHAPE, extra_config(node, **options), name="a")
+    the first never read a wrong byte (the caller checks the second's)."""
+    first = Engine(SHAPE, extra_config(node, **options), name="a", order_copies=order_copies)
     second = Engine(SHAPE, extra_config(node, **options), name="b")
     try:
         docs = documents(4)
@@ -106,7 +107,7 @@ def two_engines_one_after_the_other(node: Any, **options: Any) -> tuple[Engine, 
     finally:
         first.close()
         second.close()
-    assert first.mismatches == [] and second.mismatches == []
+    assert first.mismatches == []
     return first, second
 
 
@@ -119,18 +120,8 @@ def test_copies_submitted_while_the_model_still_writes_store_its_final_bytes(
     every block stored holds the model's final bytes: a second engine loads every one
     of them back and checks it byte for byte. The negative control takes the ordering
     away (and lets the copies run first): the half-written blocks are stored."""
-    node = start_node(cpu_blocks=128)
-    first = Engine(SHAPE, extra_config(node), name="a", order_copies=ordered)
-    second = Engine(SHAPE, extra_config(node), name="b")
-    try:
-        docs = documents(4)
-        run_round(first, docs, 0)
-        run_round(second, docs, 1)
-    finally:
-        first.close()
-        second.close()
+    first, second = two_engines_one_after_the_other(start_node(cpu_blocks=128), ordered)
     assert first.tokens["copies_submitted_mid_forward"] > 0
-    assert first.mismatches == []  # its own blocks were never read half-written
     # Every full block of every document but the GPU-cached tail came from tierkv.
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
     if ordered:
@@ -143,6 +134,7 @@ def test_two_engines_share_one_node(start_node):
     """A prefix one engine stored is a hit for another engine on the same node (vLLM's
     own offloading keeps each engine's CPU cache to itself)."""
     first, second = two_engines_one_after_the_other(start_node(cpu_blocks=128))
+    assert second.mismatches == []
     assert first.tokens["external_hits"] == 0
     # Every full block of every document but the GPU-cached tail was served by tierkv.
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
@@ -217,6 +209,7 @@ def test_every_lookup_can_wait_for_the_end_of_step_round_trip(start_node):
     RETRY once and served from the end-of-step answers."""
     first, second = two_engines_one_after_the_other(start_node(cpu_blocks=128),
                                                     sync_lookups=0)
+    assert second.mismatches == []
     assert second.tokens["external_hits"] >= 4 * (DOC_BLOCKS - 1) * SHAPE.block_size
 
 
