@@ -544,8 +544,9 @@ class BrokerCore:
 
     def _owner_ended(self, owner: Owner) -> None:
         """What else goes with a client: its requests, its answers, its registrations."""
-        self.manager.finish_all(owner.prefix)
-        self.step_ops.forget(owner.prefix)
+        if owner.named_requests:  # a probe that only asked for stats has none
+            self.manager.finish_all(owner.prefix)
+            self.step_ops.forget(owner.prefix)
         self._finished.pop(owner.identity, None)
         self.events.take(owner.identity)
         self._waiting = [w for w in self._waiting if w.client != owner.identity]

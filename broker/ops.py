@@ -36,7 +36,7 @@ from tierkv.wire.protocol import (
 if TYPE_CHECKING:
     from broker.core import BrokerCore
 
-MAX_CONTEXTS = 100_000  # requests with context the broker remembers (the oldest go)
+REMEMBERED_CONTEXTS = 100_000  # requests whose context the broker keeps (the oldest go)
 
 
 class GroupFailed(Exception):
@@ -137,17 +137,16 @@ class StepOps:
         for req_id in msg.finish:
             scoped = owner.scope(req_id)
             manager.finish(scoped)
-            self.contexts.pop(scoped, None)  # type: ignore[arg-type]
+            self.contexts.pop(scoped, None)
         return out
 
     # -- sections ------------------------------------------------------------------------
 
-    def _remember(self, req_id: str | None, context: RequestContext,
+    def _remember(self, req_id: str, context: RequestContext,
                   hints: RequestHints | None) -> None:
-        assert req_id is not None
         self.contexts.pop(req_id, None)
         self.contexts[req_id] = (context, hints)
-        while len(self.contexts) > MAX_CONTEXTS:
+        while len(self.contexts) > REMEMBERED_CONTEXTS:
             del self.contexts[next(iter(self.contexts))]
 
     def _lookup(self, owner: Owner, groups: _Groups, per_key: bool, modes: bytes, pin: bool,

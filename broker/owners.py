@@ -69,14 +69,16 @@ class Owner:
     pins: dict[OffloadKey, _Pin] = field(default_factory=dict)
     expired_pins: set[OffloadKey] = field(default_factory=set)  # told at the next release
     next_due: float = float("inf")  # the earliest deadline of its reservations and pins
+    prefix: str = ""  # of every request id it scopes
+    named_requests: bool = False  # whether it ever did: if not, its end scans nothing
 
-    @property
-    def prefix(self) -> str:
-        return f"{self.number}{SCOPE}"
+    def __post_init__(self) -> None:
+        self.prefix = f"{self.number}{SCOPE}"
 
-    def scope(self, req_id: str | None) -> str | None:
-        """This owner's name for a request id (None stays None)."""
-        return None if req_id is None else f"{self.number}{SCOPE}{req_id}"
+    def scope(self, req_id: str) -> str:
+        """This owner's name for a request id."""
+        self.named_requests = True
+        return self.prefix + req_id
 
     def held(self) -> int:
         """CPU blocks held: reserved (withdrawn ones too) and pinned."""
