@@ -85,6 +85,17 @@ class _Wait:
     deadline: float
 
 
+def _gpu_ids_of(keys: list[OffloadKey], gpu_ids: list[int],
+                accepted: list[OffloadKey]) -> list[int]:
+    """The GPU block of each accepted key. All accepted (the usual store of new
+    blocks: `accepted` is `keys` deduplicated and filtered, in order) is `gpu_ids`
+    itself, without a dict of ~1000 keys."""
+    if len(accepted) == len(keys):
+        return gpu_ids
+    gpu_of = dict(zip(keys, gpu_ids, strict=True))
+    return [gpu_of[k] for k in accepted]
+
+
 class BrokerCore:
     def __init__(
         self,
@@ -233,7 +244,7 @@ class BrokerCore:
     def store(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
               req_id: str | None, tokens: list[str]) -> tuple[int | None, list[OffloadKey], bool]:
         """GPU -> CPU tier on every rank: (job id, keys accepted, refused)."""
-        if len(gpu_ids) != len(keys) or any(g < 0 for g in gpu_ids):
+        if len(gpu_ids) != len(keys) or min(gpu_ids, default=0) < 0:
             raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
         workers = self._require_workers("stores", client, tokens)
         out = self.manager.prepare_store(keys, req_id)
@@ -242,18 +253,19 @@ class BrokerCore:
             return None, [], True
         if not out.keys_to_store:
             return None, [], False
-        self.events.own(client, out.keys_to_store)
-        gpu_of = dict(zip(keys, gpu_ids, strict=True))
-        gpu = [gpu_of[k] for k in out.keys_to_store]
+        gpu = _gpu_ids_of(keys, gpu_ids, out.keys_to_store)
         transfer = self._start_transfer("store", client, out.keys_to_store, gpu, out.block_ids,
                                         workers)
+        # After the job went out (the copy is what the client waits for): the keys'
+        # events are routed at the step's end, not before.
+        self.events.own(client, out.keys_to_store)
         self.counters["stores"] += 1
         return transfer.job_id, out.keys_to_store, False
 
     def load(self, client: bytes, keys: list[OffloadKey], gpu_ids: list[int],
              req_id: str | None, tokens: list[str]) -> tuple[int, dict[str, int]]:
         """CPU tier -> GPU on every rank: (job id, blocks promoted from each tier)."""
-        if any(g < 0 for g in gpu_ids):
+        if min(gpu_ids, default=0) < 0:
             raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
         workers = self._require_workers("loads", client, tokens)
         cpu_ids, sources = self.manager.prepare_load_from(keys, req_id)
@@ -601,22 +613,53 @@ class BrokerCore:
 
     def _apply_outcomes(self) -> None:
         outcomes, self._outcomes = self._outcomes, []
+        done: list[Transfer] = []
         for rank, outcome in outcomes:
             try:
-                self._apply_outcome(rank, outcome)
-            except Exception as e:  # one job's blocks, not the others' and not the node
-                self.counters["outcome_errors"] += 1
-                self._warn.warning(("outcome",), "could not apply job %d's outcome: %s",
-                                   outcome.job_id, foreign(repr(e)))
+                transfer = self._apply_outcome(rank, outcome)
+            except Exception as e:  # one job's outcome, not the others' and not the node
+                self._outcome_error(outcome.job_id, e)
+            else:
+                if transfer is not None:
+                    done.append(transfer)
         if self._waiting:
+            # The clients waiting for these jobs hear first; the jobs' blocks are
+            # made ready or released right after (1000 blocks: ~1.5 ms), before this
+            # thread reads another message, so no request sees them in between.
             self._answer_waiting()
+        for transfer in done:
+            try:
+                self._release_blocks(transfer)
+            except Exception as e:  # one job's blocks, not the others' and not the node
+                self._outcome_error(transfer.job_id, e)
 
-    def _apply_outcome(self, rank: int, outcome: TransferOutcome) -> None:
+    def _outcome_error(self, job_id: int, error: Exception) -> None:
+        self.counters["outcome_errors"] += 1
+        self._warn.warning(("outcome",), "could not apply job %d's outcome: %s",
+                           job_id, foreign(repr(error)))
+
+    def _apply_outcome(self, rank: int, outcome: TransferOutcome) -> Transfer | None:
+        """Record one rank's outcome. Once every rank reported: the transfer, its
+        result queued for its client (its blocks are `_release_blocks`'s)."""
         transfer = self.transfers.rank_done(rank, outcome)
         if transfer is None:
             if outcome.job_id not in self.transfers.jobs:
                 self.counters["late_outcomes"] += 1
-            return
+            return None
+        if not transfer.success:
+            self.counters["transfers_failed"] += 1
+        if self.owners.get(transfer.client) is None:
+            return transfer  # its client ended: nobody will collect the result
+        finished = self._finished.setdefault(transfer.client, [])
+        if len(finished) >= MAX_FINISHED_PER_CLIENT:
+            finished.pop(0)
+            self.counters["dropped_results"] += 1
+        finished.append(transfer.result())
+        return transfer
+
+    def _release_blocks(self, transfer: Transfer) -> None:
+        """A finished job's blocks: a store's become ready (or free, if it failed),
+        a load's lose its readers."""
         holder = self._held_jobs.pop(transfer.job_id, None)
         if holder is not None and holder in self._quarantine:
             # A worker that may still write (or read) these rows: not yet.
@@ -625,15 +668,6 @@ class BrokerCore:
             self.manager.complete_store(transfer.keys, transfer.success)
         else:
             self.manager.complete_load(transfer.keys)
-        if not transfer.success:
-            self.counters["transfers_failed"] += 1
-        if self.owners.get(transfer.client) is None:
-            return  # its client ended: nobody will collect the result
-        finished = self._finished.setdefault(transfer.client, [])
-        if len(finished) >= MAX_FINISHED_PER_CLIENT:
-            finished.pop(0)
-            self.counters["dropped_results"] += 1
-        finished.append(transfer.result())
 
     # -- shutdown ------------------------------------------------------------------
 

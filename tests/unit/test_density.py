@@ -7,7 +7,17 @@ import pytest
 
 from tierkv.bench.replay import HintMode, replay
 from tierkv.core.policies import RequestHints
-from tierkv.core.policies.density import NBINS, HitDensityPolicy, age_bin, age_bins, densities
+from tierkv.core.policies.density import (
+    _HI,
+    _LO,
+    _MID,
+    NBINS,
+    HitDensityPolicy,
+    age_bin,
+    age_bins,
+    densities,
+    distinct_densities,
+)
 from tierkv.core.primary import PrimaryTier
 from tierkv.workloads.synthetic import generate_workload
 from tierkv.workloads.traces import Request, prefix_hit_ratio, serve_request
@@ -43,6 +53,50 @@ def test_density_ranks_returning_classes_above_the_rest():
     assert densities(returns, expired, pending)[0, young] == pytest.approx(table[0, young])
     pending[0, age_bin(200)] = 1000
     assert densities(returns, expired, pending)[0, young] < table[0, young] / 2
+
+
+def square_densities(returns: np.ndarray, expired: np.ndarray,
+                     censored: np.ndarray) -> np.ndarray:
+    """`densities` as first written: every (i, j) of the square, then masked."""
+    samples = returns + expired + censored
+    at_risk = samples[:, ::-1].cumsum(axis=1)[:, ::-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hazard = np.where(at_risk > 0, returns / at_risk, 0.0)
+    hazard = np.clip(hazard, 0.0, 0.999)
+    log_keep = np.cumsum(np.log1p(-hazard), axis=1)
+    survive = np.exp(np.concatenate([np.zeros((returns.shape[0], 1)), log_keep], axis=1))
+    mass = survive[:, :-1] * hazard
+    q = np.cumsum(mass, axis=1)
+    qm = np.cumsum(mass * _MID, axis=1)
+    zero = np.zeros((returns.shape[0], 1))
+    q0 = np.concatenate([zero, q[:, :-1]], axis=1)
+    qm0 = np.concatenate([zero, qm[:, :-1]], axis=1)
+    hits = q[:, None, :] - q0[:, :, None]
+    lo = _LO[None, :, None]
+    occupancy = (qm[:, None, :] - qm0[:, :, None]) - lo * hits + (
+        survive[:, None, 1:] * (_HI[None, None, :] - lo))
+    upper = np.triu(np.ones((NBINS, NBINS), dtype=bool))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(upper[None] & (occupancy > 0), hits / occupancy, 0.0)
+    return ratio.max(axis=2)
+
+
+def test_the_tables_are_the_same_bits_as_the_full_square():
+    """The triangle and the once-per-distinct-class computations change no bit of
+    a table (a different bit could change a victim)."""
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        n = int(rng.integers(1, 21))
+        arrays = [rng.random((n, NBINS)) * float(rng.integers(1, 1000))
+                  * (rng.random((n, NBINS)) < rng.random()) for _ in range(3)]
+        same = rng.random(n) < 0.6  # classes with the same samples (as empty ones are)
+        for a in arrays:
+            a[same] = a[0]
+        if trial % 4 == 0:
+            arrays[0][same] = 0.0  # nothing came back: density 0 everywhere
+        expected = square_densities(*arrays).tobytes()
+        assert densities(*arrays).tobytes() == expected
+        assert distinct_densities(*arrays).tobytes() == expected
 
 
 def chain(*ids: int) -> list[bytes]:

@@ -55,6 +55,24 @@ def test_block_ids_are_co_indexed_and_consecutive_when_fresh():
     assert [tier.block_id(x) for x in out.keys_to_store] == out.block_ids
 
 
+def test_stores_take_the_lowest_free_ids_in_order():
+    """Failed stores and evictions free ids out of order; a store then takes the
+    lowest free ids, ascending (runs of rows for the copy engines), whether it
+    takes some of them or all."""
+    tier = PrimaryTier(8, policy="lru")
+    out = tier.prepare_store(k(1, 2, 3, 4, 5, 6, 7, 8))
+    assert out.block_ids == list(range(8))
+    tier.complete_store(k(5, 1, 7, 3))
+    tier.complete_store(k(8, 2, 6, 4), success=False)  # frees 7, 1, 5, 3
+    assert tier.prepare_store(k(9, 10)).block_ids == [1, 3]  # some of the free ids
+    assert tier.prepare_store(k(11, 12)).block_ids == [5, 7]  # all of them
+    tier.complete_store(k(9, 10, 11, 12))
+    tier.touch(k(1, 7))  # LRU: 5, 3, 9, 10, 11, 12, 1, 7
+    out = tier.prepare_store(k(13, 14, 15))
+    assert out.evicted_keys == k(5, 3, 9) and out.block_ids == [1, 2, 4]
+    tier.check_invariants()
+
+
 def test_writing_blocks_are_not_hits_and_not_evicted():
     tier = PrimaryTier(2)
     out = tier.prepare_store(k(1, 2))

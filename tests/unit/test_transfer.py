@@ -156,6 +156,60 @@ def test_consecutive_and_scattered_paths_agree(instance, monkeypatch):
     assert all((r == results[0]).all() for r in results)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_grouped_loads_land_what_the_page_layout_says(instance, monkeypatch, world_size):
+    """Loads into a per_layer KV cache through the grouped copies (every tensor at
+    once, two blocks a call: a run of 5, runs of 1) beside the other paths (a run
+    whose GPU ids are scattered) copy each page to its block and nothing else."""
+    monkeypatch.setattr(transfer_cpu, "GROUP_MIN_PIECE", 1)  # the test's pieces are small
+    monkeypatch.setattr(transfer_cpu, "MIN_RUN_BYTES", 1)
+    grouped: list[int] = []
+    real = transfer_cpu._copy_grouped
+
+    def counting(src, dst, s0, d0, n):
+        grouped.append(n)
+        real(src, dst, s0, d0, n)
+
+    monkeypatch.setattr(transfer_cpu, "_copy_grouped", counting)
+    layout = LAYOUTS["per_layer"]()
+    every = list(range(CPU_BLOCKS))
+    gpu = [3, 4, 5, 6, 7, 12, 0, 20, 21, 9, 15]
+    cpu = [10, 11, 12, 13, 14, 2, 5, 6, 7, 19, 0]
+    with ranks(instance, layout, world_size) as (region, rs):
+        for r, rank in enumerate(rs):
+            fill_random(rank.kv, seed=r)
+            assert run(rank.engine, TransferJob(1, "store", every, every))[1].success
+        pages = [[bytes(region.page(c, r)) for c in every] for r in range(world_size)]
+        for rank in rs:
+            zero_blocks(rank.kv, list(range(NUM_BLOCKS)))
+            assert run(rank.engine, TransferJob(2, "load", gpu, cpu))[2].success
+        for r, rank in enumerate(rs):
+            assert [page_of(rank.kv, g) for g in gpu] == [pages[r][c] for c in cpu]
+            assert not any(any(page_of(rank.kv, g)) for g in range(NUM_BLOCKS) if g not in gpu)
+    assert sorted(grouped) == sorted([1, 1, 1, 5] * world_size)  # cpu 0, 2, 19; 10..14
+
+
+def test_stacked_views_only_for_evenly_spaced_tensors():
+    """One view of every tensor, element for element the same bytes, or none."""
+    buf = np.zeros(400, np.uint8)
+
+    def tensor(at: int) -> np.ndarray:  # (blocks 3, outer 2, inner 8), blocks inner
+        return buf[at : at + 48].reshape(2, 3, 8).transpose(1, 0, 2)
+
+    views = [tensor(at) for at in (0, 64, 128)]
+    stacked = transfer_cpu.SideViews(views).stacked
+    assert stacked is not None and stacked.shape == (3, 3, 2, 8)
+    stacked[2, 1, 0, 5] = 7  # block 2 of tensor 1
+    assert views[1][2, 0, 5] == 7 and buf.sum() == 7
+    for b, t in np.ndindex(3, 3):
+        assert (stacked[b, t] == views[t][b]).all()
+        assert stacked[b, t].__array_interface__ == views[t][b].__array_interface__
+    assert transfer_cpu.SideViews([tensor(0), tensor(64), tensor(200)]).stacked is None
+    odd = buf[300:348].reshape(3, 2, 8)  # blocks outer: other strides
+    assert transfer_cpu.SideViews([tensor(0), odd]).stacked is None
+    assert transfer_cpu.SideViews([tensor(0)]).stacked.shape == (3, 1, 2, 8)
+
+
 def test_runs():
     starts, lengths = runs(np.array([3, 4, 5, 9, 2, 3, 7]))
     assert starts.tolist() == [0, 3, 4, 6]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
@@ -153,7 +154,7 @@ class PrimaryTier:
         """
         blocks = self._blocks
         keys = list(keys)
-        new_keys = list(dict.fromkeys(k for k in keys if k not in blocks))
+        new_keys = [k for k in dict.fromkeys(keys) if k not in blocks]
         if filtered and self.reuse_filter is not None:
             new_keys = self.reuse_filter.filter(new_keys)
         if not new_keys:
@@ -170,19 +171,18 @@ class PrimaryTier:
             if victims is None:
                 self._counters["stores_refused"] += 1
                 return None
-            for key, block_id in victims:
+            evicted = [key for key, _ in victims]
+            for key in evicted:
                 del blocks[key]
-                self._ready.discard(key)
-                heapq.heappush(self._free, block_id)
-                evicted.append(key)
+            self._ready.difference_update(evicted)
+            self._free.extend(block_id for _, block_id in victims)
+            heapq.heapify(self._free)  # O(free + victims): fewer than the new keys
             self._counters["evictions"] += len(evicted)
             self._emit("removed", evicted)
-        block_ids = []
-        free = self._free
-        for key in new_keys:
-            block_id = heapq.heappop(free)
-            blocks[key] = Block(block_id, State.WRITING)
-            block_ids.append(block_id)
+        block_ids = self._take_free(len(new_keys))
+        writing = State.WRITING
+        blocks.update(zip(new_keys, [Block(block_id, writing) for block_id in block_ids],
+                          strict=True))
         self._writing += len(new_keys)
         self._counters["stores_prepared"] += len(new_keys)
         return PrepareStoreOutput(new_keys, block_ids, evicted)
@@ -193,15 +193,14 @@ class PrimaryTier:
         Ready keys are left as they are (idempotent). Returns the keys whose state
         changed. Raises BlockStateError, changing nothing, for an unknown key.
         """
-        keys = list(dict.fromkeys(keys))
-        self._require_known(keys, "complete_store")
-        changed = [k for k in keys if self._blocks[k].state is State.WRITING]
+        writing = self._writing_blocks(list(dict.fromkeys(keys)), "complete_store")
+        changed = [key for key, _ in writing]
         self._writing -= len(changed)
         if success:
-            for key in changed:
-                block = self._blocks[key]
+            insert = self.policy.insert
+            for key, block in writing:
                 block.state = State.READY
-                self.policy.insert(key, block.block_id)
+                insert(key, block.block_id)
             self._ready.update(changed)
             self._counters["stores_completed"] += len(changed)
             self._emit("stored", changed)
@@ -225,6 +224,21 @@ class PrimaryTier:
         self._blocks[placeholder] = block
         return placeholder
 
+    def rename(self, key: OffloadKey, new_key: OffloadKey) -> bool:
+        """Let the block `key` is being written into hold `new_key` instead (a writer
+        that took its row before it knew what it would write). False, changing
+        nothing, if `new_key` is present or being written, or the reuse filter does
+        not admit it: then the written bytes are not needed."""
+        block = self._blocks.get(key)
+        if block is None or block.state is not State.WRITING:
+            raise BlockStateError(f"rename: key {key.hex()} is not being written")
+        if new_key in self._blocks or (self.reuse_filter is not None
+                                       and not self.reuse_filter.filter([new_key])):
+            return False
+        del self._blocks[key]
+        self._blocks[new_key] = block
+        return True
+
     # -- readers -----------------------------------------------------------------
 
     def acquire(self, keys: Iterable[OffloadKey]) -> list[int]:
@@ -244,19 +258,21 @@ class PrimaryTier:
 
     def release(self, keys: Iterable[OffloadKey]) -> None:
         """Drop one reader of each key. Raises, changing nothing, on an over-release."""
-        keys = list(keys)
-        self._require_known(keys, "release")
-        taken: dict[OffloadKey, int] = {}
-        for key in keys:
-            taken[key] = taken.get(key, 0) + 1
-        for key, n in taken.items():
-            if self._blocks[key].readers < n:
+        blocks = self._blocks
+        # One look-up per distinct key (a load ends ~1000 at once); all checked first.
+        taken = []
+        for key, n in Counter(keys).items():
+            block = blocks.get(key)
+            if block is None:
+                raise BlockStateError(f"release: unknown key {key.hex()}")
+            taken.append((key, block, n))
+        for key, block, n in taken:
+            if block.readers < n:
                 raise BlockStateError(
-                    f"release of key {key.hex()}: {n} released but "
-                    f"{self._blocks[key].readers} held"
+                    f"release of key {key.hex()}: {n} released but {block.readers} held"
                 )
-        for key in keys:
-            self._blocks[key].readers -= 1
+        for _, block, n in taken:
+            block.readers -= n
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> list[int]:
         """Protect ready keys for a load to the GPU. Returns co-indexed block ids."""
@@ -354,10 +370,30 @@ class PrimaryTier:
 
     # -- helpers -------------------------------------------------------------------
 
-    def _require_known(self, keys: list[OffloadKey], op: str) -> None:
+    def _take_free(self, n: int) -> list[int]:
+        """The `n` lowest free ids, ascending (n <= free blocks). A store that
+        fills the tier takes them all: one sort instead of n pops."""
+        free = self._free
+        if n == len(free):
+            ids = sorted(free)
+            free.clear()
+            return ids
+        return [heapq.heappop(free) for _ in range(n)]
+
+    def _writing_blocks(self, keys: list[OffloadKey], op: str
+                        ) -> list[tuple[OffloadKey, Block]]:
+        """The keys' blocks still in `writing`, in order; one look-up per key (a
+        job ends ~1000 at once). Raises BlockStateError for an unknown key, before
+        anything changes."""
+        blocks, state = self._blocks, State.WRITING
+        out = []
         for key in keys:
-            if key not in self._blocks:
+            block = blocks.get(key)
+            if block is None:
                 raise BlockStateError(f"{op}: unknown key {key.hex()}")
+            if block.state is state:
+                out.append((key, block))
+        return out
 
     def _emit(self, kind: str, keys: list[OffloadKey]) -> None:
         if self.enable_events and keys:

@@ -124,7 +124,11 @@ def _bin_edges() -> tuple[np.ndarray, np.ndarray]:
 
 _LO, _HI = _bin_edges()
 _MID = (_LO + _HI) / 2.0
-_UPPER = np.triu(np.ones((NBINS, NBINS), dtype=bool))  # [i, j]: j >= i
+# The pairs (i, j >= i) of `densities`, row by row, and where each row i starts.
+_I, _J = np.triu_indices(NBINS)
+_ROWS = np.flatnonzero(np.r_[True, _I[1:] != _I[:-1]])
+_LO_I = _LO[_I]
+_SPAN = _HI[_J] - _LO[_I]  # hi_j - lo_i
 
 # Classes: private blocks = hint state * 4 + turn bucket; then the rest.
 NONE, CONT, DONE, SOON = 0, 1, 2, 3
@@ -385,7 +389,9 @@ class HitDensityPolicy(CachePolicy[K, V]):
                         victim = None
                     elif cls != QUEUED:  # still worth less than the runner-up?
                         age = clock - recs[victim][_STAMP]
-                        if density[cls][age_bin(age)] > self._bar:
+                        b = age.bit_length()  # age_bin, inlined
+                        i = b if b < 2 else (b << 1) | ((age >> (b - 2)) & 1)
+                        if density[cls][i if i < NBINS else NBINS - 1] > self._bar:
                             victim = None
             if victim is None:
                 pick = self._pick(protected)
@@ -519,8 +525,8 @@ class HitDensityPolicy(CachePolicy[K, V]):
         pooled = [a[:QUEUED].sum(axis=0) for a in (returns, expired, censored)]
         total = sum(float(p.sum()) for p in pooled)
         scale = PRIOR_EVENTS / total if total > 0 else 0.0
-        table = densities(returns + scale * pooled[0], expired + scale * pooled[1],
-                          censored + scale * pooled[2])
+        table = distinct_densities(returns + scale * pooled[0], expired + scale * pooled[1],
+                                   censored + scale * pooled[2])
         self._density = table.tolist()
         self._repick_at = 0
 
@@ -696,6 +702,21 @@ def _first_free(entries: Iterable[K], protected: Container[K]) -> K | None:
     return None
 
 
+def distinct_densities(returns: np.ndarray, expired: np.ndarray,
+                       censored: np.ndarray) -> np.ndarray:
+    """`densities`, computed once per distinct class: every class that has seen
+    nothing yet is the pooled curve alone (most of the 20, most of the time), and
+    a class's row depends only on its own samples, so a copy is the same bits.
+    Halves a rebuild (~1.4 ms), which a 1000-block store pays on its answer path."""
+    first: dict[bytes, int] = {}
+    which = [first.setdefault(row.tobytes(), len(first))
+             for row in np.concatenate([returns, expired, censored], axis=1)]
+    if len(first) == len(which):
+        return densities(returns, expired, censored)
+    pick = [which.index(j) for j in range(len(first))]  # the first class of each
+    return densities(returns[pick], expired[pick], censored[pick])[which]
+
+
 def densities(returns: np.ndarray, expired: np.ndarray,
               censored: np.ndarray | None = None) -> np.ndarray:
     """Best hit density per class and age bin, from return-time samples.
@@ -725,11 +746,14 @@ def densities(returns: np.ndarray, expired: np.ndarray,
     zero = np.zeros((returns.shape[0], 1))
     q0 = np.concatenate([zero, q[:, :-1]], axis=1)
     qm0 = np.concatenate([zero, qm[:, :-1]], axis=1)
-    # [c, i, j]; every term is scaled by survive[c, i], which cancels out.
-    hits = q[:, None, :] - q0[:, :, None]
-    lo = _LO[None, :, None]
-    occupancy = (qm[:, None, :] - qm0[:, :, None]) - lo * hits + (
-        survive[:, None, 1:] * (_HI[None, None, :] - lo))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(_UPPER[None] & (occupancy > 0), hits / occupancy, 0.0)
-    return ratio.max(axis=2)
+    # [c, (i, j)] over the pairs j >= i only (the others would be 0, and every
+    # ratio is >= 0): half the work of the full square, the same operations in
+    # the same order for each element, so the same bits. Every term is scaled by
+    # survive[c, i], which cancels out.
+    hits = q[:, _J] - q0[:, _I]
+    occupancy = qm[:, _J] - qm0[:, _I]
+    occupancy -= _LO_I * hits
+    occupancy += survive[:, 1:][:, _J] * _SPAN
+    ratio = np.zeros_like(hits)
+    np.divide(hits, occupancy, out=ratio, where=occupancy > 0)
+    return np.maximum.reduceat(ratio, _ROWS, axis=1)
