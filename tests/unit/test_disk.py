@@ -563,3 +563,146 @@ def test_stats_name_what_the_issue_asks_for(make):
         assert name in stats
     assert stats["bytes_used"] == BLOCK and stats["capacity_bytes"] == 4 * BLOCK
     assert HEADER_SIZE <= HEADER_AREA
+
+
+# -- runs of adjacent slots (store_many / load_many) -----------------------------------
+
+
+def counting(monkeypatch, name: str) -> list[int]:
+    """Count the calls of os.<name> (preadv or pwritev), and the iovecs of each."""
+    calls: list[int] = []
+    real = getattr(os, name)
+
+    def counted(fd, iov, offset):
+        calls.append(len(iov))
+        return real(fd, iov, offset)
+
+    monkeypatch.setattr(os, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_a_job_moves_in_one_request_per_run_of_adjacent_slots(make, instance, monkeypatch,
+                                                               staging):
+    backend = make(slots=32, run_bytes=4 * SLOT, staging=staging)
+    assert backend.batch_keys(BLOCK) == 4
+    writes, reads = counting(monkeypatch, "pwritev"), counting(monkeypatch, "preadv")
+    with SharedRegion.create(instance, num_blocks=16, page_size=BLOCK) as region:
+        runner = JobRunner(backend, region, threads=2)
+        try:
+            for b in range(8):
+                region.block(b)[:] = payload(b)
+            runner.submit(Job(1, tuple(key(b) for b in range(8)), tuple(range(8)),
+                              JobKind.STORE))
+            assert runner.drain(30)
+            runner.submit(Job(2, tuple(key(b) for b in range(8)), tuple(range(8, 16)),
+                              JobKind.PROMOTION))
+            assert runner.drain(30)
+            assert [r.success for r in runner.take_finished()] == [True, True]
+            assert all(bytes(region.block(8 + b)) == payload(b) for b in range(8))
+        finally:
+            runner.close()
+            runner.rows = None
+    assert sorted(slot_of(backend, b) for b in range(8)) == list(range(8))  # adjacent
+    assert len(writes) == len(reads) == 2  # two runs of four blocks each way
+    staged = staging and backend.stats()["o_direct"]
+    assert writes == reads == ([1, 1] if staged else [8, 8])  # one iovec: the whole run
+    assert backend.stats()["stores"] == backend.stats()["loads"] == 8
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_a_bad_block_in_a_run_fails_its_key_only(make, staging):
+    backend = make(slots=8, staging=staging)
+    srcs = [memoryview(payload(n)) for n in range(5)]
+    assert backend.store_many([key(n) for n in range(5)], srcs) == [None] * 5
+    flip(backend, slot_of(backend, 2), HEADER_AREA + 100)
+    dsts = [bytearray(b"\xee" * BLOCK) for _ in range(5)]
+    errors = backend.load_many([key(n) for n in range(5)], [memoryview(d) for d in dsts])
+    assert [e is None for e in errors] == [True, True, False, True, True]
+    assert errors[2] is not None and errors[2].code is ErrorCode.CORRUPT
+    assert [bytes(dsts[n]) == payload(n) for n in (0, 1, 3, 4)] == [True] * 4
+    if staging and backend.stats()["o_direct"]:
+        assert bytes(dsts[2]) == b"\xee" * BLOCK  # verified before it reached the row
+    assert not backend.exists(key(2)) and backend.stats()["corrupt_blocks"] == 1
+
+
+def test_a_slab_cut_inside_a_run_fails_the_blocks_after_the_cut(make):
+    backend = make(slots=8)
+    backend.store_many([key(n) for n in range(4)], [memoryview(payload(n)) for n in range(4)])
+    assert backend._slabs is not None
+    slab_no, start = backend._slabs.locate(slot_of(backend, 2))
+    os.truncate(backend._slabs.path(slab_no), start + SLOT // 2)
+    dsts = [bytearray(BLOCK) for _ in range(4)]
+    errors = backend.load_many([key(n) for n in range(4)], [memoryview(d) for d in dsts])
+    assert [e is None for e in errors] == [True, True, False, False]
+    assert all(e.code is ErrorCode.CORRUPT for e in errors[2:] if e is not None)
+    assert "truncated" in str(errors[2].message if errors[2] else "")
+    assert bytes(dsts[0]) == payload(0) and bytes(dsts[1]) == payload(1)
+
+
+def test_store_many_and_load_many_answer_each_key(make):
+    backend = make(slots=4)
+    errors = backend.store_many([key(0), b"", key(2)], [memoryview(payload(0)),
+                                                        memoryview(payload(1)),
+                                                        memoryview(payload(2)[:100])])
+    assert errors[0] is None
+    assert [e.code if e else None for e in errors[1:]] == [ErrorCode.BAD_REQUEST] * 2
+    out = [bytearray(BLOCK), bytearray(BLOCK)]
+    loaded = backend.load_many([key(9), key(0)], [memoryview(b) for b in out])
+    assert loaded[0] is not None and loaded[0].code is ErrorCode.NOT_FOUND
+    assert loaded[1] is None and bytes(out[1]) == payload(0)
+    assert backend.inventory() == [key(0)]  # refused keys took no slot for good
+    assert backend.stats()["usable_blocks"] == 4 and len(backend._free) == 0
+
+
+def test_a_run_of_a_job_never_spans_two_slabs(make, monkeypatch):
+    backend = make(slots=8, slab_bytes=3 * SLOT, run_bytes=8 * SLOT)
+    writes = counting(monkeypatch, "pwritev")
+    assert backend.store_many([key(n) for n in range(8)],
+                              [memoryview(payload(n)) for n in range(8)]) == [None] * 8
+    assert len(writes) == 3  # slots 0-2, 3-5, 6-7: one request per slab
+    for n in range(8):
+        assert loads(backend, n) == payload(n)
+
+
+def test_staging_buffers_are_huge_page_aligned():
+    from workers.disk.layout import buffer_address
+    from workers.disk.runs import HUGE, staging_buffer
+
+    buf = staging_buffer(3 * SLOT)
+    assert len(buf) == 3 * SLOT and buffer_address(buf) % HUGE == 0
+    buf[:] = b"\x01" * len(buf)  # writable, private
+
+
+def test_keys_that_find_no_slot_wait_for_the_rest_of_their_call(make):
+    # 4 slots, 6 keys in one call: the first 4 take the free slots; the last 2
+    # find none while those are being written, so they ask again once they are
+    # in, and evict the oldest, as a block-at-a-time store would.
+    backend = make(slots=4, run_bytes=8 * SLOT)
+    errors = backend.store_many([key(n) for n in range(6)],
+                                [memoryview(payload(n)) for n in range(6)])
+    assert errors == [None] * 6
+    assert sorted(backend_keys(backend)) == [2, 3, 4, 5]
+    assert [loads(backend, n) == payload(n) for n in (2, 3, 4, 5)] == [True] * 4
+    # Pinned (one job's keys), nothing can make room: refused, not forced.
+    errors = backend.store_many([key(n) for n in range(10, 16)],
+                                [memoryview(payload(n)) for n in range(10, 16)],
+                                pinned={key(n) for n in range(10, 16)})
+    assert [e.code if e else None for e in errors] == [None] * 4 + [ErrorCode.NO_SPACE] * 2
+    assert all(e is None or e.__traceback__ is None for e in errors)  # keeps no frame
+
+
+def test_a_failed_load_keeps_no_view_of_the_row_alive(make):
+    import gc
+
+    backend = make(slots=4)
+    backend.store(key(1), memoryview(payload(1)))
+    flip(backend, slot_of(backend, 1), HEADER_AREA + 5)
+    row = bytearray(BLOCK)
+    gc.disable()  # reference counting only: a cycle would keep the row's view alive
+    try:
+        with pytest.raises(TierError):
+            backend.load(key(1), memoryview(row))
+        row.extend(b"x")  # BufferError while any view of `row` is still alive
+    finally:
+        gc.enable()

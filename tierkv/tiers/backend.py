@@ -14,11 +14,24 @@ implementation must be thread-safe. Errors are raised as `TierError` with a code
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterable
-from typing import Any, ClassVar
+from collections.abc import Container, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
 
+from tierkv.core.errors import TierError
 from tierkv.core.keys import OffloadKey
 from tierkv.tiers.options import TierOptions
+
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(error: E) -> E:
+    """`error` without its traceback (nor its cause's), to be kept in a list of
+    answers: a kept traceback holds the frame that raised it, and with it the
+    callers' row views, past the region's close (a reference cycle)."""
+    error.__traceback__ = None
+    if error.__cause__ is not None:
+        error.__cause__.__traceback__ = None
+    return error
 
 
 class TierBackend(ABC):
@@ -53,6 +66,38 @@ class TierBackend(ABC):
     @abstractmethod
     def inventory(self) -> list[OffloadKey]:
         """Keys held at start-up (what survived a restart), reported in the hello."""
+
+    def batch_keys(self, block_bytes: int) -> int:
+        """How many keys of `block_bytes` one I/O task hands to `store_many` /
+        `load_many`. 1 (the default): a task per key, so a medium served by many
+        concurrent small requests (S3) keeps them concurrent. A medium that serves
+        large contiguous transfers better (a local disk) returns more."""
+        return 1
+
+    def store_many(self, keys: Sequence[OffloadKey], srcs: Sequence[memoryview],
+                   pinned: Container[OffloadKey] = ()) -> list[TierError | None]:
+        """`store` of each key in turn; the error of each key, None where it was
+        stored. Overridden by a backend that moves several blocks per request."""
+        errors: list[TierError | None] = []
+        for key, src in zip(keys, srcs, strict=True):
+            try:
+                self.store(key, src, pinned)
+                errors.append(None)
+            except TierError as e:
+                errors.append(detached(e))
+        return errors
+
+    def load_many(self, keys: Sequence[OffloadKey],
+                  dsts: Sequence[memoryview]) -> list[TierError | None]:
+        """`load` of each key in turn; the error of each key, None where it loaded."""
+        errors: list[TierError | None] = []
+        for key, dst in zip(keys, dsts, strict=True):
+            try:
+                self.load(key, dst)
+                errors.append(None)
+            except TierError as e:
+                errors.append(detached(e))
+        return errors
 
     def capacity(self) -> int | None:
         """Budget in bytes, or None when unbounded."""

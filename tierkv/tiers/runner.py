@@ -1,8 +1,10 @@
 """Runs tier jobs against a backend: the data path shared by the tier process and
 the in-process `LocalTier`.
 
-Each job is split into one task per key. With `threads > 0` the tasks run on a
-pool of worker threads (blocking I/O such as `pwrite`/`preadv` and HTTP releases
+Each job is split into tasks: a task per key, or, for stores and loads, a run of
+as many consecutive keys as the backend asks for (`TierBackend.batch_keys`: a disk
+moves a run of adjacent slots in one request). With `threads > 0` the tasks run on
+a pool of worker threads (blocking I/O such as `pwrite`/`preadv` and HTTP releases
 the GIL), loads before stores before existence checks, so a promotion a request is
 waiting for is not stuck behind a cascade nobody waits for. With `threads == 0`
 a job runs synchronously inside `submit` (deterministic tests).
@@ -16,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tierkv.core.errors import ErrorCode, TierError
@@ -55,7 +58,8 @@ class JobRunner:
         self.threads = threads
         self.wakeup = wakeup  # notified whenever a result is ready
         self._done: deque[JobResult] = deque()
-        self._tasks: queue.PriorityQueue[tuple[int, int, _JobState | None, int]] = (
+        # (priority, order, job, first key, end key); a None job stops a worker
+        self._tasks: queue.PriorityQueue[tuple[int, int, _JobState | None, int, int]] = (
             queue.PriorityQueue()
         )
         self._seq = itertools.count()
@@ -86,13 +90,23 @@ class JobRunner:
             return
         with self._idle:
             self._in_flight += 1
+        step = self._run_length(job)
         if not self._workers:
-            for i in range(len(job.keys)):
-                self._run_task(state, i)
+            for i in range(0, len(job.keys), step):
+                self._run_task(state, i, min(len(job.keys), i + step))
             return
         prio = _PRIORITY[job.kind]
-        for i in range(len(job.keys)):
-            self._tasks.put((prio, next(self._seq), state, i))
+        for i in range(0, len(job.keys), step):
+            self._tasks.put((prio, next(self._seq), state, i, min(len(job.keys), i + step)))
+
+    def _run_length(self, job: Job) -> int:
+        """Keys per task: for stores and loads at most the backend's run, the job
+        split in even parts (32 keys in runs of 31 would be 16 + 16, not 31 + 1)."""
+        if job.kind not in (JobKind.STORE, JobKind.PROMOTION) or self.rows is None:
+            return 1
+        most = max(1, self.backend.batch_keys(self.rows.block_bytes))
+        parts = -(-len(job.keys) // most)
+        return -(-len(job.keys) // parts)
 
     def report(self, result: JobResult) -> None:
         """A result decided without running the job (refused, too late)."""
@@ -121,7 +135,7 @@ class JobRunner:
 
     def close(self) -> None:
         for _ in self._workers:
-            self._tasks.put((99, next(self._seq), None, 0))
+            self._tasks.put((99, next(self._seq), None, 0, 0))
         for worker in self._workers:
             worker.join(timeout=10)
         self._workers = []
@@ -130,31 +144,37 @@ class JobRunner:
 
     def _work(self) -> None:
         while True:
-            _, _, state, index = self._tasks.get()
+            _, _, state, start, end = self._tasks.get()
             if state is None:
                 return
-            self._run_task(state, index)
+            self._run_task(state, start, end)
 
-    def _run_task(self, state: _JobState, index: int) -> None:
+    def _run_task(self, state: _JobState, start: int, end: int) -> None:
+        """Keys `start:end` of a job; the one that runs its last key reports it."""
         job = state.job
-        key = job.keys[index]
+        outcomes: list[tuple[bool, ErrorCode | None, str]]
         moved = 0
         try:
             if state.deadline and time.monotonic() > state.deadline:
                 raise TierError(ErrorCode.TIMEOUT, "deadline passed before this key started")
-            moved = self._run_key(job, index, key)
-            ok, code, message = True, None, ""
+            if end - start == 1:
+                moved = self._run_key(job, start, job.keys[start])
+                outcomes = [(True, None, "")]
+            else:
+                outcomes, moved = self._run_many(job, start, end)
         except TierError as e:
-            ok, code, message = False, e.code, e.message
+            outcomes = [(False, e.code, e.message)] * (end - start)
         except Exception as e:  # a backend bug must not kill the worker thread
-            log.exception("backend %s failed on key %s", self.backend.type_name, key.hex())
-            ok, code, message = False, ErrorCode.FATAL, f"{type(e).__name__} in backend"
+            log.exception("backend %s failed on key %s", self.backend.type_name,
+                          job.keys[start].hex())
+            outcomes = [(False, ErrorCode.FATAL, f"{type(e).__name__} in backend")] * (end - start)
         with state.lock:
-            state.ok[index] = ok
+            for i, (ok, code, message) in enumerate(outcomes, start):
+                state.ok[i] = ok
+                if not ok and state.error_code is None:
+                    state.error_code, state.error = code, message
             state.bytes_moved += moved
-            if not ok and state.error_code is None:
-                state.error_code, state.error = code, message
-            state.remaining -= 1
+            state.remaining -= end - start
             last = state.remaining == 0
         if last:
             if job.kind is JobKind.STORE and any(state.ok):
@@ -163,6 +183,23 @@ class JobRunner:
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()
+
+    def _run_many(self, job: Job, start: int, end: int
+                  ) -> tuple[list[tuple[bool, ErrorCode | None, str]], int]:
+        """A run of a store or load job in one backend call."""
+        keys = job.keys[start:end]
+        views = [self._row(b) for b in job.block_ids[start:end]]
+        if job.kind is JobKind.STORE:
+            errors: Sequence[TierError | None] = self.backend.store_many(keys, views,
+                                                                         pinned=job.keys)
+        else:
+            errors = self.backend.load_many(keys, views)
+        if len(errors) != len(keys):
+            raise TierError(ErrorCode.FATAL, f"backend {self.backend.type_name} answered "
+                                             f"{len(errors)} of {len(keys)} keys")
+        moved = sum(len(v) for v, e in zip(views, errors, strict=True) if e is None)
+        return [(True, None, "") if e is None else (False, e.code, e.message)
+                for e in errors], moved
 
     def _sync(self, state: _JobState) -> None:
         """The job's stores become durable together; if that fails none is reported."""

@@ -14,8 +14,9 @@ models never share a slot, and neither a namespace nor a key ever becomes a path
 Why slabs: a file per block (create, write, fsync, rename) measured 0.2-0.36 GB/s
 durable and an unlink per eviction ~0.16 ms; `pwritev` at offsets into one
 preallocated file ~1.8 GB/s. Why 4 KiB padding: the payload then sits at an aligned
-offset, so `O_DIRECT` can move it straight between the file and the 4 KiB-aligned
-shared-memory row.
+offset, so `O_DIRECT` can move it. Slots handed out together are adjacent, so a
+job's blocks move in runs: one request per run of adjacent slots, through a
+huge-page staging buffer per I/O thread (`workers.disk.runs` says why).
 
 Crash safety without rename: a block is only ever written into a free slot, its
 header (`tierkv.core.blockformat`) checksums itself and the payload, and a store
@@ -32,36 +33,30 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import mmap
 import os
 import threading
 import time
-from collections.abc import Container, Iterable
-from dataclasses import dataclass
+from collections.abc import Container, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tierkv.core.blockformat import (
     HEADER_SIZE,
     MAX_KEY,
     CorruptBlock,
-    pack_header,
     unpack_header,
-    verify,
 )
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
-from tierkv.tiers.backend import TierBackend
+from tierkv.tiers.backend import TierBackend, detached
 from tierkv.tiers.lru import LRUIndex
 from tierkv.tiers.registry import TierConfigError
 from workers.disk.commit import GroupCommit
 from workers.disk.layout import (
-    HEADER_AREA,
     LAYOUT_VERSION,
     PAGE,
     SCAN_PROGRESS_SLOTS,
     ZERO_HEADER,
-    ZERO_PAGE_TAIL,
     buffer_address,
     check_root,
     io_error,
@@ -69,15 +64,11 @@ from workers.disk.layout import (
     namespace_tag,
     slot_bytes_for,
 )
-from workers.disk.options import DEFAULT_SLAB_BYTES, OPTIONS
+from workers.disk.options import DEFAULT_RUN_BYTES, DEFAULT_SLAB_BYTES, OPTIONS
+from workers.disk.runs import Entry, Item, RunIO
 from workers.disk.slabs import SlabFiles, SlabGrowthFailed, fsync_dir, probe_o_direct
 
 log = logging.getLogger("tierkv.disk")
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    slot: int
-    seq: int
 
 
 class DiskBackend(TierBackend):
@@ -102,6 +93,8 @@ class DiskBackend(TierBackend):
         o_direct: str | bool = "auto",
         group_commit: bool = True,
         sync_per: str = "job",
+        run_bytes: int = DEFAULT_RUN_BYTES,
+        staging: bool = True,
     ) -> None:
         """`root` must exist (a missing or unwritable root fails here, clearly).
         `budget_bytes` fixes the number of slots; `slab_bytes` how many share a file.
@@ -110,7 +103,11 @@ class DiskBackend(TierBackend):
         and block size allow, True insists, False never. `group_commit=False` makes
         each store call fdatasync on its own (for comparison). `sync_per="job"` (the
         default) makes a whole store job durable with one flush per slab file, when
-        the tier process reports it (`sync`); "store" flushes inside every `store`."""
+        the tier process reports it (`sync`); "store" flushes inside every `store`.
+        `run_bytes`: how many bytes of a job one I/O thread moves at once (adjacent
+        slots in one `preadv`/`pwritev`; 0 or less than a block: a block at a time).
+        `staging`: O_DIRECT runs go through a huge-page buffer per thread
+        (`workers.disk.runs` says why); false: straight to and from the rows."""
         if sync_per not in ("job", "store"):
             raise TierConfigError(f"disk tier: sync_per must be 'job' or 'store', "
                                   f"got {sync_per!r}")
@@ -126,6 +123,11 @@ class DiskBackend(TierBackend):
         if type(budget_bytes) is not int or budget_bytes < self.slot_bytes:
             raise TierConfigError(f"disk tier: budget_bytes must be an integer of at least one "
                                   f"slot ({self.slot_bytes} bytes), got {budget_bytes!r}")
+        if type(run_bytes) is not int or run_bytes < 0:
+            raise TierConfigError(f"disk tier: run_bytes must be 0 or more, got {run_bytes!r}")
+        self.run_bytes = run_bytes
+        self.staging = bool(staging)
+        self._io: RunIO | None = None
         if type(slab_bytes) is not int or slab_bytes <= 0:
             raise TierConfigError(f"disk tier: slab_bytes must be positive, got {slab_bytes!r}")
         self.namespace = namespace
@@ -134,14 +136,13 @@ class DiskBackend(TierBackend):
         self._lock_fd = -1
         self._slabs: SlabFiles | None = None
         self._lock = threading.Lock()
-        self._index: LRUIndex[_Entry] = LRUIndex(self._lock)
+        self._index: LRUIndex[Entry] = LRUIndex(self._lock)
         self._free: list[int] = []
         self._fresh = 0  # slots from here on were never handed out (their slab may not exist)
         self._usable = 0  # slots below this may be used: the budget, less what the disk refused
         self._readers: dict[int, int] = {}
         self._retired: set[int] = set()  # freed while read: released by the last reader
         self._seq = 0
-        self._tls = threading.local()
         self._counts = dict.fromkeys(("stores", "loads", "corrupt_blocks", "evictions",
                                       "enospc_failures", "invalid_slots_at_start"), 0)
         self.commit = GroupCommit(durable, group_commit)
@@ -173,6 +174,8 @@ class DiskBackend(TierBackend):
         self._slabs = SlabFiles(self.directory, self.slot_bytes, slots_per_slab, total,
                                 self.direct)
         self._slabs.fit_to_budget()
+        self._io = RunIO(self._slabs, self.block_bytes, self.slot_bytes, self._ns,
+                         self.run_bytes // self.slot_bytes, self.staging and self.direct)
 
     def _check_meta(self, slots_per_slab: int) -> int:
         """The geometry of the blocks already here must be this node's; returns the
@@ -222,7 +225,7 @@ class DiskBackend(TierBackend):
         """Rebuild the index from slot headers: only 256 bytes per slot are read."""
         slabs = self._require()
         t0 = time.monotonic()
-        found: dict[OffloadKey, _Entry] = {}
+        found: dict[OffloadKey, Entry] = {}
         stale: list[int] = []
         on_disk = set(slabs.on_disk())
         top = max(on_disk) + 1 if on_disk else 0
@@ -262,7 +265,7 @@ class DiskBackend(TierBackend):
                  self.directory, len(self._index), scanned, len(self._free),
                  slabs.total_slots, time.monotonic() - t0)
 
-    def _read_slot_header(self, fd: int, slot: int, offset: int) -> tuple[bytes, _Entry] | None:
+    def _read_slot_header(self, fd: int, slot: int, offset: int) -> tuple[bytes, Entry] | None:
         raw = os.pread(fd, HEADER_SIZE, offset)
         if raw == ZERO_HEADER:
             return None
@@ -274,41 +277,86 @@ class DiskBackend(TierBackend):
         if header.namespace != self._ns or header.payload_len != self.block_bytes:
             self._counts["invalid_slots_at_start"] += 1
             return None
-        return header.key, _Entry(slot, header.seq)
+        return header.key, Entry(slot, header.seq)
 
     # -- TierBackend -----------------------------------------------------------------
 
     def store(self, key: OffloadKey, src: memoryview, pinned: Container[OffloadKey] = ()) -> None:
-        self._check_size(src, "store")
-        if not 0 < len(key) <= MAX_KEY:
-            raise TierError(ErrorCode.BAD_REQUEST, f"keys are 1..{MAX_KEY} bytes, got {len(key)}")
-        with self._lock:
-            slot = self._take_slot(key, pinned)
-            self._seq += 1
-            entry = _Entry(slot, self._seq)
-        try:
-            fd = self._write(key, entry, src)
-            if self.sync_per == "store":
-                self.commit.commit(fd)
+        errors = self.store_many((key,), (src,), pinned)
+        if errors[0] is not None:
+            raise cast(TierError, errors.pop())  # bound to no name: no cycle with its traceback
+
+    def store_many(self, keys: Sequence[OffloadKey], srcs: Sequence[memoryview],
+                   pinned: Container[OffloadKey] = ()) -> list[TierError | None]:
+        """Slots for the keys in one round of the lock (adjacent when the free list
+        or the fresh slots allow), then one request per run of adjacent slots.
+
+        A key that finds no slot while this call still writes others waits for
+        them to land and asks again (a wave): a small tier then holds what a
+        block-at-a-time store would, not less because a run was in flight."""
+        errors: list[TierError | None] = [None] * len(keys)
+        waiting: list[int] = []
+        for i, (key, src) in enumerate(zip(keys, srcs, strict=True)):
+            if len(src) != self.block_bytes:
+                errors[i] = self._size_error(src, "store")
+            elif not 0 < len(key) <= MAX_KEY:
+                errors[i] = TierError(ErrorCode.BAD_REQUEST,
+                                      f"keys are 1..{MAX_KEY} bytes, got {len(key)}")
             else:
+                waiting.append(i)
+        while waiting:
+            todo: list[Item] = []
+            later: list[int] = []
+            with self._lock:
+                for n, i in enumerate(waiting):
+                    try:
+                        slot = self._take_slot(keys[i], pinned)
+                    except TierError as e:
+                        if todo:  # after this wave's blocks are in
+                            later = waiting[n:]
+                            break
+                        errors[i] = detached(e)
+                        continue
+                    self._seq += 1
+                    todo.append(Item(i, Entry(slot, self._seq), self._direct_ok(srcs[i])))
+            self._write_wave(todo, keys, srcs, errors)
+            waiting = later
+        return errors
+
+    def _write_wave(self, todo: list[Item], keys: Sequence[OffloadKey],
+                    srcs: Sequence[memoryview], errors: list[TierError | None]) -> None:
+        """Write the items (slots taken), then install each one that was written
+        and free the slot of each one that was not."""
+        finished = False
+        try:
+            for run in self._run_io().runs(todo):
+                try:
+                    fd = self._run_io().write(run, keys, srcs)
+                    if self.sync_per == "store":
+                        self.commit.commit(fd)
+                    else:
+                        with self._lock:
+                            self._written.add(fd)
+                except OSError as e:
+                    for item in run:
+                        errors[item.at] = self._counted(detached(io_error(
+                            e, f"store of {keys[item.at].hex()} failed")))
+                except TierError as e:
+                    if isinstance(e, SlabGrowthFailed) and e.code is ErrorCode.NO_SPACE:
+                        self._stop_growing(e.slab)
+                    for item in run:
+                        errors[item.at] = self._counted(detached(e))
+            finished = True
+        finally:  # also on a BaseException: no slot stays taken by a store that ended
+            for item in todo:
+                if errors[item.at] is not None or not finished:
+                    self._release(item.entry.slot)
+                    continue
                 with self._lock:
-                    self._written.add(fd)
-        except OSError as e:
-            self._release(slot)
-            raise self._counted(io_error(e, f"store of {key.hex()} failed")) from e
-        except TierError as e:
-            if isinstance(e, SlabGrowthFailed) and e.code is ErrorCode.NO_SPACE:
-                self._stop_growing(e.slab)
-            self._release(slot)
-            raise self._counted(e)  # noqa: B904 - already translated, cause kept
-        except BaseException:
-            self._release(slot)
-            raise
-        with self._lock:
-            self._counts["stores"] += 1
-            replaced = self._install(key, entry)
-        if replaced is not None:
-            self._retire(replaced)
+                    self._counts["stores"] += 1
+                    replaced = self._install(keys[item.at], item.entry)
+                if replaced is not None:
+                    self._retire(replaced)
 
     def sync(self) -> None:
         """Everything written before this call is durable when it returns. Flushes
@@ -323,26 +371,66 @@ class DiskBackend(TierBackend):
             raise self._counted(io_error(e, "making stores durable failed")) from e
 
     def load(self, key: OffloadKey, dst: memoryview) -> None:
-        self._check_size(dst, "load")
+        errors = self.load_many((key,), (dst,))
+        if errors[0] is not None:
+            raise cast(TierError, errors.pop())  # bound to no name: no cycle with its traceback
+
+    def load_many(self, keys: Sequence[OffloadKey],
+                  dsts: Sequence[memoryview]) -> list[TierError | None]:
+        """One `preadv` per run of adjacent slots (`RunIO.read`), then every block
+        verified on its own: a bad one fails its key only (and leaves the index),
+        never its neighbours."""
+        errors: list[TierError | None] = [None] * len(keys)
+        todo: list[Item] = []
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                raise TierError(ErrorCode.NOT_FOUND, f"key {key.hex()} is not in the disk tier")
-            self._index.move_to_end(key)
-            self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
+            for i, (key, dst) in enumerate(zip(keys, dsts, strict=True)):
+                if len(dst) != self.block_bytes:
+                    errors[i] = self._size_error(dst, "load")
+                    continue
+                entry = self._index.get(key)
+                if entry is None:
+                    errors[i] = TierError(ErrorCode.NOT_FOUND,
+                                          f"key {key.hex()} is not in the disk tier")
+                    continue
+                self._index.move_to_end(key)
+                self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
+                todo.append(Item(i, entry, False))
         try:
-            self._read_verified(key, entry, dst)
-        except CorruptBlock as e:
-            self._condemn(key, entry)
-            log.warning("disk tier: corrupt block of key %s in slot %d: %s", key.hex(),
-                        entry.slot, e.message)
-            raise CorruptBlock(f"key {key.hex()}: {e.message}") from None
-        except OSError as e:
-            raise io_error(e, f"load of {key.hex()} failed") from e
+            todo = [item._replace(direct=self._direct_ok(dsts[item.at])) for item in todo]
+            for run in self._run_io().runs(todo):
+                try:
+                    found = self._run_io().read(run, keys, dsts)
+                except OSError as e:
+                    for item in run:
+                        errors[item.at] = detached(io_error(
+                            e, f"load of {keys[item.at].hex()} failed"))
+                    continue
+                for item, problem in zip(run, found, strict=True):
+                    if problem is None:
+                        continue
+                    key = keys[item.at]
+                    self._condemn(key, item.entry)
+                    log.warning("disk tier: corrupt block of key %s in slot %d: %s",
+                                key.hex(), item.entry.slot, problem.message)
+                    errors[item.at] = CorruptBlock(f"key {key.hex()}: {problem.message}")
         finally:
-            self._leave(entry.slot)
-        with self._lock:
-            self._counts["loads"] += 1
+            for item in todo:
+                self._leave(item.entry.slot)
+        loaded = sum(errors[item.at] is None for item in todo)
+        if loaded:
+            with self._lock:
+                self._counts["loads"] += loaded
+        return errors
+
+    def batch_keys(self, block_bytes: int) -> int:
+        """Keys per I/O task (`JobRunner`): `run_bytes` worth. Slots taken in one
+        round are adjacent, so a run of a job's keys usually lies in one extent of
+        one slab and moves in one request (`workers.disk.runs`): a lock round, a
+        syscall and a task per run, not per block; the kernel still splits the
+        request into as many device requests as the queue takes."""
+        if self._io is None or block_bytes != self.block_bytes:
+            return 1  # never raises: the runner asks while queueing a job
+        return self._io.run_slots
 
     def exists(self, key: OffloadKey) -> bool:
         with self._lock:
@@ -407,7 +495,7 @@ class DiskBackend(TierBackend):
         raise TierError(ErrorCode.NO_SPACE, f"disk tier full: all {self._usable} slots "
                                             f"hold pinned blocks or blocks being read")
 
-    def _install(self, key: OffloadKey, entry: _Entry) -> int | None:
+    def _install(self, key: OffloadKey, entry: Entry) -> int | None:
         """Point `key` at its new copy; returns the slot that is no longer needed."""
         current = self._index.get(key)
         if current is not None and current.seq > entry.seq:
@@ -456,7 +544,7 @@ class DiskBackend(TierBackend):
             self._retired.remove(slot)
         self._release(slot)
 
-    def _condemn(self, key: OffloadKey, entry: _Entry) -> None:
+    def _condemn(self, key: OffloadKey, entry: Entry) -> None:
         """A block failed verification: it leaves the index (counted) and its slot
         is freed when the reader (us) leaves. It may already have been replaced."""
         with self._lock:
@@ -481,54 +569,21 @@ class DiskBackend(TierBackend):
 
     # -- I/O (never holding self._lock) ----------------------------------------------
 
-    def _write(self, key: OffloadKey, entry: _Entry, src: memoryview) -> int:
-        """One `pwritev` of header and payload, straight from the caller's buffer.
-        Returns the buffered descriptor, which fdatasync uses."""
-        slabs = self._require()
-        n, offset = slabs.locate(entry.slot)
-        slab = slabs.get(n)
-        header = self._header_buffer()
-        header[:HEADER_SIZE] = pack_header(key, self._ns, src, entry.seq)
-        header[HEADER_SIZE:] = ZERO_PAGE_TAIL
-        fd = slab.dfd if self._direct_ok(src) else slab.fd
-        done = os.pwritev(fd, [header, src], offset)
-        if done != HEADER_AREA + len(src):  # a short write: finish it plainly
-            rest = (bytes(header) + bytes(src))[done:]
-            while rest:
-                wrote = os.pwrite(slab.fd, rest, offset + HEADER_AREA + len(src) - len(rest))
-                rest = rest[wrote:]
-        return slab.fd
-
-    def _read_verified(self, key: OffloadKey, entry: _Entry, dst: memoryview) -> None:
-        """Header and payload in one `preadv` straight into `dst`, then verified.
-        On failure `dst` holds garbage, but the job fails, so no one takes it as data."""
-        slabs = self._require()
-        n, offset = slabs.locate(entry.slot)
-        slab = slabs.get(n)
-        header = self._header_buffer()
-        fd = slab.dfd if self._direct_ok(dst) else slab.fd
-        got = os.preadv(fd, [header, dst], offset)
-        if got < HEADER_AREA + len(dst):
-            raise CorruptBlock(f"slot {entry.slot} is truncated ({got} bytes)")
-        parsed = unpack_header(header[:HEADER_SIZE])
-        verify(parsed, key, self._ns, dst)
-        if parsed.seq != entry.seq:
-            raise CorruptBlock(f"slot {entry.slot} holds write {parsed.seq}, not {entry.seq}")
-
-    def _header_buffer(self) -> memoryview:
-        """A page-aligned header buffer per thread (anonymous mmap), as O_DIRECT needs."""
-        buf = getattr(self._tls, "header", None)
-        if buf is None:
-            buf = self._tls.header = memoryview(mmap.mmap(-1, HEADER_AREA))
-        return buf
-
     def _direct_ok(self, buf: memoryview) -> bool:
-        return self.direct and buffer_address(buf) % PAGE == 0
+        """Whether `buf` moves with O_DIRECT: any buffer through the staging
+        buffer, else only a page-aligned one."""
+        if not self.direct:
+            return False
+        return self.staging or buffer_address(buf) % PAGE == 0
 
-    def _check_size(self, buf: memoryview, what: str) -> None:
-        if len(buf) != self.block_bytes:
-            raise TierError(ErrorCode.BAD_REQUEST, f"disk tier {what}: {len(buf)} bytes given, "
-                                                   f"blocks are {self.block_bytes}")
+    def _run_io(self) -> RunIO:
+        if self._io is None:
+            raise TierError(ErrorCode.FATAL, "disk tier is not open")
+        return self._io
+
+    def _size_error(self, buf: memoryview, what: str) -> TierError:
+        return TierError(ErrorCode.BAD_REQUEST, f"disk tier {what}: {len(buf)} bytes given, "
+                                                f"blocks are {self.block_bytes}")
 
     def _require(self) -> SlabFiles:
         if self._slabs is None:

@@ -9,6 +9,9 @@ from pathlib import Path
 from tierkv.tiers.options import REQUIRED, Option, TierOptions, at_least, non_empty, positive
 
 DEFAULT_SLAB_BYTES = 1 << 30
+# Bytes of a job one I/O thread reads or writes in one request (adjacent slots in
+# one preadv/pwritev); see `DiskBackend.batch_keys` for why this size.
+DEFAULT_RUN_BYTES = 8 << 20
 
 
 def _root_here(root: str) -> str | None:
@@ -41,5 +44,10 @@ OPTIONS = TierOptions(
         Option("group_commit", bool, True, "concurrent stores share one fdatasync"),
         Option("sync_per", str, "job", "one flush per store job, or one per block",
                choices=("job", "store")),
+        Option("run_bytes", int, DEFAULT_RUN_BYTES, "bytes of a job one I/O thread moves in "
+               "one request (adjacent slots at once); 0: a block at a time",
+               check=at_least(0)),
+        Option("staging", bool, True, "O_DIRECT runs go through a huge-page buffer per "
+               "I/O thread (fewer DMA segments per request; costs a copy)"),
     ),
 )

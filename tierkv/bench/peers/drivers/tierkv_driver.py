@@ -8,7 +8,8 @@ a fresh process each. Everything goes through tierkv's public pieces as they
 are shipped, so a change to them is measured without touching this file:
 
 * Disk: `DiskBackend` behind a `JobRunner` of 8 I/O threads (the tier process's
-  data path, as `tierkv/bench/disk_io.py` runs it) over rows of a real shared-memory
+  data path, as `tierkv/bench/disk_io.py` runs it: a job's keys in runs of adjacent
+  slots, through the backend's staging buffers) over rows of a real shared-memory
   region; durable as shipped (one flush per job), or `durable=False`.
 * Manager: `TieringManager` over `PrimaryTier` in process, and a real node
   (broker + CPU worker, `tierkv.bench.broker_ops.bench_node`, as `tierkv bench
@@ -112,8 +113,10 @@ class Driver(StoreDriver[DiskTier]):
         if system != "disk":
             raise Unsupported(f"tierkv has no disk system {system!r}")
         disk = self._open(DiskTier(dir, block_bytes, capacity_blocks, pool_blocks, durable))
-        return {"settings": f"disk tier, {THREADS} threads, durable={durable}",
-                "o_direct": disk.backend.direct}
+        backend = disk.backend
+        return {"settings": f"disk tier, {THREADS} threads, runs of {backend.run_bytes >> 20} MiB, "
+                            f"staging={backend.staging}, durable={durable}",
+                "o_direct": backend.direct}
 
     def disk_store(self, tag: str, count: int, seed: int, first: int = 0,
                    sync: bool = False) -> dict[str, Any]:
