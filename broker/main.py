@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import signal
 import sys
 import time
@@ -211,8 +212,10 @@ class BrokerProc:
                     log.warning("drain timeout (broker.drain_timeout_s=%.1f) passed with work "
                                 "in flight", self.config.broker.drain_timeout_s)
                     break
+            # Rounded up: a wait cut to 0 ms below one would spin until the tick is due,
+            # taking a core from the engines on the node for nothing.
             timeout = max(0.0, min(core.tick_due(), housekeeping.left()))
-            for item, _ in poller.poll(int(timeout * 1000) if timeout else 0):
+            for item, _ in poller.poll(math.ceil(timeout * 1000)):
                 if lifeline is not None and item == lifeline:
                     if parent_gone(lifeline):
                         log.warning("supervisor is gone: stopping")

@@ -115,6 +115,8 @@ class StepOps:
         if "commit" in sections:
             ok = np.frombuffer(msg.commit_ok, dtype=np.uint8)
             each("commit", lambda i, r, g: owners.commit(owner, g, bool(ok[i])))
+        if "commit_as" in sections:
+            self._commit_as(owner, sections["commit_as"], out)
         if "release" in sections:
             each("release", lambda i, r, g: owners.release(owner, g))
         for req_id, context, hints in contexts:
@@ -261,6 +263,27 @@ class StepOps:
         out.update(reserved=reserved.tobytes(), reserve_ok=ok.tobytes(), evicted=blob,
                    region=self.core.region_id,
                    evicted_lens=lens if lens else bytes([width]) * len(evicted))
+
+    def _commit_as(self, owner: Owner, groups: _Groups, out: dict[str, Any]) -> None:
+        """Each group: n reserved keys, then the n keys their rows were written with."""
+        stored = np.zeros(groups.total // 2, np.uint8)
+        errors: list[OpError] = out["errors"]
+        at = 0
+        for i, _req_id, keys in groups:
+            half = len(keys) // 2
+            try:
+                if len(keys) % 2:
+                    raise GroupFailed(ErrorCode.BAD_REQUEST, f"{len(keys)} keys: a reserved "
+                                      "key and the key it was written with, in two halves")
+                done = self.core.owners.commit_as(owner, keys[:half], keys[half:])
+            except (GroupFailed, OwnerRefused) as e:
+                errors.append(OpError("commit_as", i, e.code.value, str(e)))
+            else:
+                stored[at:at + half] = done
+                self.core.events.own(owner.identity, [k for k, ok in zip(keys[half:], done,
+                                                                         strict=True) if ok])
+            at += half
+        out["stored_as"] = stored.tobytes()
 
     def _store(self, client: bytes, groups: _Groups, gpu: bytes, tokens: list[str],
                out: dict[str, Any], each: Any) -> None:

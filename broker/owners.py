@@ -166,6 +166,42 @@ class OwnerTable:
                                f"reservation's deadline (broker.reservation_s="
                                f"{self.reservation_s:g}) and were not stored")
 
+    def commit_as(self, owner: Owner, reserved: list[OffloadKey],
+                  keys: list[OffloadKey]) -> list[bool]:
+        """End the owner's reservations of `reserved` as written with the blocks of
+        `keys` (co-indexed): each row becomes its key's block, ready, unless that key
+        is present or being written already (the same bytes: the row is freed). A
+        client keeps rows reserved under keys of its own choosing so that a store
+        needs no round trip; this says what it wrote into them. Refused whole
+        (not_owner) if any of `reserved` is not the owner's; per pair, whether the
+        key's block is the one written."""
+        unknown = [k for k in reserved
+                   if k not in owner.reservations and k not in owner.withdrawn]
+        if unknown or len(set(reserved)) != len(reserved):
+            self.counters["not_owner"] += 1
+            raise OwnerRefused(ErrorCode.NOT_OWNER, "commit_as of key "
+                               f"{(unknown or reserved)[0].hex()[:32]}: this client has not "
+                               "reserved it (or names it twice)")
+        primary = self.manager.primary
+        stored: list[OffloadKey] = []
+        freed: list[OffloadKey] = []
+        out: list[bool] = []
+        for spare, key in zip(reserved, keys, strict=True):
+            placeholder = owner.withdrawn.pop(spare, None)
+            if placeholder is not None:  # past its deadline: its key is nobody's
+                freed.append(placeholder)
+                out.append(False)
+                continue
+            del owner.reservations[spare]
+            renamed = primary.rename(spare, key)
+            (stored if renamed else freed).append(key if renamed else spare)
+            out.append(renamed)
+        if freed:
+            primary.complete_store(freed, False)
+        if stored:
+            self.manager.complete_store(stored, True)
+        return out
+
     # -- pins ------------------------------------------------------------------------
 
     def pinned(self, owner: Owner, keys: Iterable[OffloadKey], now: float) -> None:

@@ -222,6 +222,10 @@ class Client:
         """Reserved blocks were written (they become hits), or not (`ok` False: freed)."""
         self.batch().commit(keys, ok).send_one()
 
+    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey]) -> list[bool]:
+        """Reserved rows were written with the blocks of `keys` (see `Batch.commit_as`)."""
+        return self.batch().commit_as(reserved, keys).send_one()
+
     def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> list[int]:
         """Protect ready blocks the engine reads itself; their CPU block ids."""
         return self.batch().pin(keys, req_id).send_one()
@@ -485,6 +489,14 @@ class Batch:
     def commit(self, keys: Sequence[OffloadKey], ok: bool = True) -> Batch:
         return self._add("commit", keys, None, bool(ok))
 
+    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey]) -> Batch:
+        """End reservations of `reserved` whose rows were written with the blocks of
+        `keys` (co-indexed). Its result: per pair, whether the row is now that key's
+        block (False: the key was present or being written already; the row is freed)."""
+        if len(reserved) != len(keys):
+            raise ValueError(f"{len(reserved)} reserved keys but {len(keys)} keys")
+        return self._add("commit_as", [*reserved, *keys])
+
     def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
         return self._add("pin", keys, req_id)
 
@@ -524,6 +536,19 @@ class Batch:
         """Have the broker answer only once these jobs finished (or `seconds` passed)."""
         self._wait, self._wait_s = list(job_ids), seconds
         return self
+
+    def extend(self, other: Batch) -> int:
+        """Add `other`'s calls, which must be lookups pinning as this batch's do (other
+        sections run in their fixed order, not in call order, so only lookups can be
+        merged without changing what they mean). Returns the slot of its first."""
+        first = len(self._slots)
+        section = other._sections.get("lookup")
+        if section is None or len(section.groups) != len(other._slots):
+            raise ValueError("only a batch of lookups can be merged into another")
+        for keys, req_id, status in zip(section.groups, section.req_ids, section.extra,
+                                        strict=True):
+            self.lookup(keys, req_id or None, status, bool(other._pin))
+        return first
 
     def request(self, request_id: int) -> OpsRequest:
         """The one `ops` message these calls make."""
@@ -658,6 +683,9 @@ class _Answers:
             ok = bool(self._array("reserve_ok", "u1")[index])
             return Reserve(self._array("reserved", "<i4")[a:b], ok, evicted if ok else [],
                            self.r.region)
+        if name == "commit_as":
+            a, b = self._span(name, index)
+            return [bool(x) for x in self._array("stored_as", "u1")[a // 2:b // 2]]
         if name == "store":
             a, b = self._span(name, index)
             job = self._array("store_jobs", "<i8")[index]

@@ -365,3 +365,30 @@ def test_a_whole_node_stalled_past_a_jobs_deadline_kills_no_child(make_cluster):
     assert worker.poll() is None and broker.poll() is None
     if not result.success:
         wait_for(c, {c.store(ks, [0, 1]).job_id})  # and the node serves on
+
+
+def test_rows_reserved_ahead_become_the_blocks_written_into_them(make_cluster, instance):
+    """A client reserves rows under keys of its own (so a store needs no round trip)
+    and says at the end what it wrote: each row is its key's block, unless the key was
+    there already (the row is freed); another client cannot say it for it."""
+    cluster = make_cluster(cpu={"num_blocks": 8})
+    engine, other = cluster.client(), cluster.client()
+    spares = [b"spare-" + bytes([i]) * 10 for i in range(3)]
+    rows = engine.reserve(spares).block_ids
+    present = keys(9)
+    other.reserve(present, "w")
+    other.commit(present)
+    wanted = keys(1, 2)
+    with pytest.raises(RemoteError, match="not_owner"):
+        other.commit_as(spares[:2], wanted)
+    write_rows(instance, [*wanted, present[0]], rows)
+    assert engine.commit_as(spares, [*wanted, present[0]]) == [True, True, False]
+    found = other.lookup([*wanted, *present], "r", pin=True)
+    assert found.hits == 3 and found.rows[:2] == rows[:2]
+    assert read_rows(instance, found.rows[:2]) == [key_bytes(k, 0, 1024) for k in wanted]
+    other.release([*wanted, *present])
+    stats = other.stats(verify=True)
+    assert stats["invariants"] == "ok" and stats["cpu"]["blocks_writing"] == 0
+    assert stats["cpu"]["blocks_free"] == 8 - 3  # the duplicate's row went back
+    with pytest.raises(RemoteError, match="not_owner"):
+        engine.commit_as(spares[:1], keys(5))  # ended already

@@ -52,6 +52,25 @@ def start_node(instance, tmp_path_factory) -> Iterator[Callable[..., Node]]:
         assert leftovers(run_dir, instance) == []
 
 
+@pytest.fixture
+def engine_on(start_node):
+    """Engines (scheduler side) on a node, closed at teardown."""
+    from tierkv.bench.vllm_engine import Engine
+
+    engines: list[Engine] = []
+
+    def make(node: Node, copy: bool = False, shape: EngineShape = SHAPE,
+             **options: Any) -> Engine:
+        engine = Engine(shape, extra_config(node, **options), copy=copy,
+                        name=f"e{len(engines)}")
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
 # -- driving tierkv's manager the way vLLM's scheduler does --------------------------------
 
 

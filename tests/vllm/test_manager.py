@@ -29,21 +29,6 @@ from tierkv.bench.vllm_engine import Engine
 from tierkv.client import Client
 
 
-@pytest.fixture
-def engine_on(start_node):
-    engines: list[Engine] = []
-
-    def make(node, copy: bool = False, shape=SHAPE, **options) -> Engine:
-        engine = Engine(shape, extra_config(node, **options), copy=copy,
-                        name=f"e{len(engines)}")
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
-
-
 def stored(manager, keys: list[bytes], req_id: str = "writer") -> None:
     """`keys` stored through the manager, committed and settled."""
     ctx = request(req_id, keys)

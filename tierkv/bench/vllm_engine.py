@@ -440,10 +440,10 @@ class Engine:
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)
         launched = self._forward(out)
         if not out.has_sync_kv_loads:
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)
         worker.wait_for_save()
         results = worker.get_transfer_results(out.finished_req_ids)
         # This step's transfers reached the copy engines while the forward passes

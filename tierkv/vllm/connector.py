@@ -145,6 +145,21 @@ class TierkvConnector(OffloadingConnector):
 
     # -- scheduler side --------------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        # Look the request up now (`TierkvOffloadingManager.prefetch`): vLLM makes a
+        # request's keys at its first scan, so they are made here, by vLLM's own code
+        # (it appends only keys not made yet).
+        scheduler = self.connector_scheduler
+        manager = scheduler.manager if scheduler is not None else None
+        status = getattr(scheduler, "_req_status", {}).get(request.request_id)
+        prefetch = getattr(manager, "prefetch", None)
+        if status is None or manager is None or prefetch is None:
+            return
+        status.update_offload_keys()
+        with manager.lock:
+            prefetch(status.req_context)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
         if isinstance(meta, OffloadingConnectorMetadata):

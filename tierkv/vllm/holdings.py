@@ -47,6 +47,7 @@ class Reservation:
 
     req_id: str
     keys: list[bytes]
+    written_as: bytes | None = None  # a spare row (`spares.py`): the key it is written with
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class _Group:
     keys: list[bytes]
     ok: bool = True  # commits: written (ready) or not (freed)
     again: bool = False  # sent before, its reply lost: a refusal is expected
+    written_as: list[bytes] = field(default_factory=list)  # commits of spares: their keys
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class Owed:
     """Operations for the next round trip (see the module docstring)."""
 
     commits: list[_Group] = field(default_factory=list)
+    commits_as: list[_Group] = field(default_factory=list)
     releases: list[_Group] = field(default_factory=list)
     touches: list[bytes] = field(default_factory=list)
     finishes: list[str] = field(default_factory=list)
@@ -68,13 +71,15 @@ class Owed:
     since: float = 0.0  # when the oldest of them was owed
 
     def __bool__(self) -> bool:
-        return bool(self.commits or self.releases or self.touches or self.finishes
-                    or self.contexts)
+        return bool(self.commits or self.commits_as or self.releases or self.touches
+                    or self.finishes or self.contexts)
 
     def add_to(self, batch: Batch) -> int:
         """Put them first in `batch`; returns how many result slots they take."""
         for group in self.commits:
             batch.commit(group.keys, group.ok)
+        for group in self.commits_as:
+            batch.commit_as(group.keys, group.written_as)
         for group in self.releases:
             batch.release(group.keys)
         if self.touches:
@@ -83,8 +88,8 @@ class Owed:
             batch.context(context)
         for req_id in self.finishes:
             batch.finish(req_id)
-        return (len(self.commits) + len(self.releases) + bool(self.touches)
-                + len(self.finishes))
+        return (len(self.commits) + len(self.commits_as) + len(self.releases)
+                + bool(self.touches) + len(self.finishes))
 
 
 class Holdings:
@@ -96,6 +101,7 @@ class Holdings:
         self.committing: set[bytes] = set()  # tierkv keys whose commit is not confirmed
         self.owed = Owed()
         self._fresh_commit: dict[bool, _Group] = {}  # this round's commit group per ok
+        self._fresh_commit_as: _Group | None = None
         self._fresh_release: _Group | None = None
         self._warn = RateLimitedLog(log)
 
@@ -120,23 +126,38 @@ class Holdings:
             self._owe().releases.append(self._fresh_release)
         self._fresh_release.keys.extend(keys)
 
-    def reserved(self, chunk: bytes, req_id: str, keys: list[bytes]) -> None:
-        self.writing[chunk] = Reservation(req_id, keys)
+    def reserved(self, chunk: bytes, req_id: str, keys: list[bytes],
+                 written_as: bytes | None = None) -> None:
+        self.writing[chunk] = Reservation(req_id, keys, written_as)
 
     def busy(self, chunk: bytes, keys: Iterable[bytes]) -> bool:
         """Whether a store of `chunk` would clash with this engine's own: it is being
         written, or a commit of one of its keys is not confirmed yet."""
         return chunk in self.writing or any(k in self.committing for k in keys)
 
-    def end_store(self, chunk: bytes, req_id: str | None, ok: bool) -> bool:
+    def end_store(self, chunk: bytes, req_id: str | None, ok: bool) -> bytes | None:
         """The store job of `req_id` (None: whichever) that writes `chunk` ended: owe
-        its commit. False if that job reserved nothing for it."""
+        its commit. Returns the tierkv key written (None if that job reserved nothing
+        for it)."""
         held = self.writing.get(chunk)
         if held is None or (req_id is not None and held.req_id != req_id):
-            return False
+            return None
         del self.writing[chunk]
-        self.commit(held.keys, ok)
-        return True
+        if ok and held.written_as is not None:
+            self.commit_as(held.keys, [held.written_as])
+        else:
+            self.commit(held.keys, ok)
+        return held.written_as or held.keys[0]
+
+    def commit_as(self, spares: list[bytes], keys: list[bytes]) -> None:
+        """Owe the commit of spare rows written with the blocks of `keys`."""
+        group = self._fresh_commit_as
+        if group is None:
+            group = self._fresh_commit_as = _Group([])
+            self._owe().commits_as.append(group)
+        group.keys.extend(spares)
+        group.written_as.extend(keys)
+        self.committing.update(keys)
 
     def commit(self, keys: list[bytes], ok: bool) -> None:
         if not keys:
@@ -170,6 +191,7 @@ class Holdings:
         """What a round trip carries now (owed afresh from here on)."""
         owed, self.owed = self.owed, Owed()
         self._fresh_commit.clear()
+        self._fresh_commit_as = None
         self._fresh_release = None
         return owed
 
@@ -183,6 +205,10 @@ class Holdings:
         for group in owed.commits:
             self._settled("commit", group, results[at])
             self.committing.difference_update(group.keys)
+            at += 1
+        for group in owed.commits_as:
+            self._settled("commit", group, results[at])
+            self.committing.difference_update(group.written_as)
             at += 1
         for group in owed.releases:
             self._settled("release", group, results[at])
@@ -199,6 +225,9 @@ class Holdings:
         for group in owed.commits:
             group.again = True
             target.commits.append(group)
+        for group in owed.commits_as:
+            group.again = True
+            target.commits_as.append(group)
         for group in owed.releases:
             if any(self.pins[k] for k in group.keys):
                 log.warning("tierkv: a release of %d pins got no reply and cannot be sent "

@@ -35,6 +35,7 @@ from tierkv.wire.protocol import ProtocolError
 log = logging.getLogger("tierkv.vllm")
 
 CLOSE_WAIT_S = 5.0  # how long `close` waits for the call in flight
+MAX_MERGED = 64  # lookup calls in one round trip, at most
 
 
 class Call:
@@ -44,12 +45,13 @@ class Call:
     lookups, reservations) so that it can settle them whichever way the call ends;
     the link never reads it."""
 
-    __slots__ = ("_abandoned", "_done", "_lock", "batch", "carried", "error", "results",
-                 "sent_at")
+    __slots__ = ("_abandoned", "_done", "_lock", "batch", "carried", "error", "mergeable",
+                 "results", "sent_at")
 
-    def __init__(self, batch: Batch, carried: Any) -> None:
+    def __init__(self, batch: Batch, carried: Any, mergeable: bool = False) -> None:
         self.batch = batch
         self.carried = carried
+        self.mergeable = mergeable  # lookups only: may share a round trip with others
         self.results: list[Any] | None = None
         self.error: Exception | None = None
         self.sent_at = time.monotonic()
@@ -93,6 +95,7 @@ class BrokerLink:
         self._out = 0  # calls sent and not ended (read by the manager's thread)
         self._started: float | None = None  # when the call in flight was sent
         self._out_lock = threading.Lock()
+        self._next: Call | None = None  # taken from the queue while merging, not merged
         self._thread = threading.Thread(target=self._run, name="tierkv-vllm-link",
                                         daemon=True)
         self._thread.start()
@@ -100,9 +103,10 @@ class BrokerLink:
     def batch(self) -> Batch:
         return self.client.batch()
 
-    def send(self, batch: Batch, carried: Any = None) -> Call:
-        """Queue `batch`; returns at once."""
-        call = Call(batch, carried)
+    def send(self, batch: Batch, carried: Any = None, mergeable: bool = False) -> Call:
+        """Queue `batch`; returns at once. Calls queued back to back that are all
+        `mergeable` (lookups only) go in one round trip."""
+        call = Call(batch, carried, mergeable)
         with self._out_lock:
             self._out += 1
         self._calls.put(call)
@@ -143,14 +147,20 @@ class BrokerLink:
 
     def _run(self) -> None:
         while True:
-            call = self._calls.get()
+            call, self._next = self._next or self._calls.get(), None
             if call is None:
                 return
+            calls = self._merged(call)
+            batch = call.batch
+            starts = [0]
+            if len(calls) > 1:
+                batch = self.client.batch()
+                starts = [batch.extend(c.batch) for c in calls]
             results: list[Any] | None = None
             error: Exception | None = None
             self._started = time.monotonic()
             try:
-                results = call.batch.send()
+                results = batch.send()
             except (BrokerUnavailable, RemoteError, ProtocolError, ValueError) as e:
                 error = e
             except Exception as e:  # never let the link die: the manager sees the error
@@ -158,5 +168,26 @@ class BrokerLink:
                 error = e
             self._started = None
             with self._out_lock:
-                self._out -= 1
-            call._end(results, error, self._late)
+                self._out -= len(calls)
+            starts.append(len(batch))
+            for i, each in enumerate(calls):
+                each._end(None if results is None else results[starts[i]:starts[i + 1]],
+                          error, self._late)
+
+    def _merged(self, call: Call) -> list[Call]:
+        """`call` and the mergeable calls queued right behind it (if it is one)."""
+        calls = [call]
+        while call.mergeable and len(calls) < MAX_MERGED:
+            try:
+                following = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if following is None:  # `close`: after these
+                self._calls.put(None)
+                break
+            if not following.mergeable:
+                self._next = following
+                break
+            calls.append(following)
+        return calls
+

@@ -29,8 +29,10 @@ Runs on the scheduler thread, under the manager's lock.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, get_offload_group_idx
 
@@ -65,6 +67,37 @@ class RequestLookups:
     asks: dict[bytes, None] = field(default_factory=dict)  # asked, no answer yet
     synced: int = -1  # the step of its last lookup of its own
     waiting_since: float | None = None  # told RETRY for want of an answer since then
+    prefetch: Any = None  # the `Call` looking it up since it was added, until waited for
+    in_flush: Any = None  # the end-of-step `Call` its asked keys last went in
+
+
+class KnownPresent:
+    """Keys this engine saw at the node lately (its hits, its finished stores), so a
+    store of one of them is skipped without asking: with rows reserved ahead
+    (`spares.py`) nobody else would say it is there. Knowledge older than `ttl_s` is
+    forgotten (the node may have evicted it since: then a store is skipped that
+    was needed, a miss later, never wrong bytes)."""
+
+    def __init__(self, ttl_s: float = 10.0, most: int = 1 << 16) -> None:
+        self.ttl_s = ttl_s
+        self.most = most
+        self._seen: dict[bytes, float] = {}  # oldest first
+
+    def add(self, key: bytes) -> None:
+        seen = self._seen
+        seen.pop(key, None)
+        seen[key] = time.monotonic()
+        if len(seen) > self.most:
+            del seen[next(iter(seen))]
+
+    def has(self, key: bytes) -> bool:
+        when = self._seen.get(key)
+        if when is None:
+            return False
+        if time.monotonic() - when > self.ttl_s:
+            del self._seen[key]
+            return False
+        return True
 
 
 def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],

@@ -7,19 +7,22 @@ broker waits for it at most as long as the step's budget has left, and otherwise
 answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
 `link.py` say what becomes of a round trip nobody waits for):
 
-* **Lookups** (`lookups.py`): answered from what the broker said, else RETRY and
-  asked at the end of the step, so the next step has the answer. The first
+* **Lookups** (`lookups.py`): a request is looked up when vLLM adds it (`prefetch`,
+  between steps), so the step that first scans it has its answers or waits once for
+  them within the budget. Otherwise answered from what the broker said, else RETRY
+  and asked at the end of the step, so the next step has the answer. The first
   `sync_lookups` requests of a step may get a round trip of their own (within the
   budget), answering the key asked and those the same scan asks next. A request
   told RETRY for want of an answer for `lookup_wait_ms` misses instead (vLLM
   computes). Every hit is pinned in the broker pass that found it, until vLLM loads
   it or for a few steps.
-* **Stores**: `prepare_store` reserves the rows in a round trip of its own (within
-  the budget) and returns only the chunks this job will write: not the ones already
-  present, not the ones this engine is writing already (another request's job), and
-  None when the node has no room now or the budget is spent, so vLLM offers them
-  again next step. A reservation is committed only by the job that made it, when
-  vLLM says it stored (`complete_store`), and aborted if it failed.
+* **Stores**: `prepare_store` takes rows reserved ahead (`spares.py`: no round trip),
+  or else reserves them in a round trip of its own (within the budget), and returns
+  only the chunks this job will write: not the ones known present, not the ones this
+  engine is writing already (another request's job), and None when the node has no
+  room now or the budget is spent, so vLLM offers them again next step. A
+  reservation is committed only by the job that made it, when vLLM says it stored
+  (`complete_store`), and aborted if it failed.
 * **The step's end** (`on_schedule_end`): one round trip that is not waited for,
   carrying what the step owes the broker (`holdings.py`: commits, releases, touches,
   finished requests) and its asked keys; its answers are taken at the next step.
@@ -68,12 +71,14 @@ from tierkv.vllm.lookups import (
     AGAIN,
     HIT_STEPS,
     Answer,
+    KnownPresent,
     RequestLookups,
     asked_chains,
     chain_for,
     head_first,
     read_answers,
 )
+from tierkv.vllm.request_keys import request_keys
 from tierkv.vllm.rounds import Carried, Metrics, Rounds
 from tierkv.vllm.tiers import NodeTiers
 from tierkv.wire.protocol import MAX_GROUPS, MAX_STEP_KEYS
@@ -95,6 +100,7 @@ class ManagerOptions:
     sync_lookups: int = 2
     max_lookup_keys: int = 2048  # chunks of one request in one lookup of its own
     lookup_wait_ms: float = 250.0  # a request waits this long for answers, then misses
+    spare_rows: int = 1024  # rows reserved ahead for stores, at most (`spares.py`)
 
 
 class TierkvOffloadingManager(OffloadingManager):
@@ -114,7 +120,9 @@ class TierkvOffloadingManager(OffloadingManager):
         self.generation = 0
         self.keymap = KeyMap(identity.namespace(0))
         self.rounds = Rounds(client, options.budget_ms, options.retry_s, self._take_lookups,
-                             self._take_step)
+                             self._take_step, options.spare_rows)
+        self.spares = self.rounds.spares
+        self.present = KnownPresent()
         self.link = self.rounds.link
         self.holdings = self.rounds.holdings
         self._lock = threading.Lock()
@@ -164,9 +172,15 @@ class TierkvOffloadingManager(OffloadingManager):
         """An answer this step can give without going past its budget, or None."""
         if self.rounds.down:
             return Answer(LookupResult.MISS, self._step)
+        prefetch, state.prefetch = state.prefetch, None
+        if prefetch is not None and self.rounds.wait(prefetch, abandon=False):
+            self.rounds.catch_up()
+            answer = state.answers.get(key)
+            if answer is not None and answer.until >= self._step:
+                return answer
         flush = self.rounds.flush
-        if flush is not None and not self._flush_waited:
-            self._flush_waited = True  # its answers may hold this key's
+        if flush is not None and state.in_flush is flush and not self._flush_waited:
+            self._flush_waited = True  # it carries this request's asked keys
             if self.rounds.wait(flush, abandon=False):
                 self.rounds.catch_up()
                 answer = state.answers.get(key)
@@ -186,10 +200,33 @@ class TierkvOffloadingManager(OffloadingManager):
         answer = state.answers.get(key)
         return answer if answer is not None and answer.until >= self._step else None
 
+    def prefetch(self, ctx: ReqContext) -> None:
+        """Look a new request's keys up now, before vLLM asks (it adds requests between
+        steps): the answers are there, or on their way, when its first scan comes, so
+        it is admitted in the step that first asks for it. Every key from the first,
+        per group; pins of hits vLLM's own prefix cache makes needless go after
+        `HIT_STEPS`."""
+        if self.rounds.down:
+            return
+        state = self._state(ctx)
+        chains: dict[int, list[tuple[int, bytes]]] = {}
+        for key, position in request_keys(ctx).items():
+            chains.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(
+                (position, bytes(key)))
+        most = self.options.max_lookup_keys
+        picked = []
+        for group, chain in chains.items():
+            chain.sort()
+            chain = chain[-most:] if group in self.window_groups else chain[:most]
+            picked.append((ctx.req_id, group, [k for _, k in chain]))
+        if picked:
+            state.prefetch = self.rounds.prefetch(self._lookups(picked, until=self._step,
+                                                                owed=False))
+
     def _lookups(self, chains: Iterable[tuple[str, int, list[bytes]]], until: int,
-                 step: bool = False) -> tuple[Any, Carried]:
+                 step: bool = False, owed: bool = True) -> tuple[Any, Carried]:
         """A round trip of lookups (their answers serve through step `until`)."""
-        batch, carried = self.rounds.open(self.generation, step)
+        batch, carried = self.rounds.open(self.generation, step, owed)
         for req_id, group, chain in chains:
             # Sliding-window groups key by key; full attention a leading run, whose
             # promotions stop at its first miss.
@@ -227,6 +264,7 @@ class TierkvOffloadingManager(OffloadingManager):
                 if answer.status is LookupResult.HIT:
                     answer.until = until + HIT_STEPS - 1
                     hits += 1
+                    self.present.add(answer.pinned[0])
                 state.answers[chunk] = answer
                 state.asks.pop(chunk, None)
             state.waiting_since = None
@@ -279,11 +317,24 @@ class TierkvOffloadingManager(OffloadingManager):
         self.rounds.catch_up()
         if self.rounds.down:
             return None
-        holdings = self.holdings
+        holdings, keymap, present = self.holdings, self.keymap, self.present
         offered = [bytes(k) for k in keys]
-        todo = [k for k in offered if not holdings.busy(k, [self.keymap.key(k)])]
+        todo: list[bytes] = []
+        there: list[bytes] = []
+        for chunk in offered:
+            key = keymap.key(chunk)
+            if present.has(key):
+                there.append(chunk)
+            elif not holdings.busy(chunk, [key]):
+                todo.append(chunk)
+        if there:
+            holdings.touch(keymap.keys(self._tail_first(there, req_context)))
         if not todo:
             return self._nothing_to_store()
+        spares = self.spares.take(len(todo))
+        if spares is not None:
+            return self._reserved(todo, req_context.req_id, [s.row for s in spares],
+                                  self.spares.region, req_context, [s.key for s in spares])
         if not self.rounds.can_wait():
             self.rounds.stats.increase_counter(Metrics.OVER_BUDGET)
             return None  # offered again next step
@@ -304,15 +355,20 @@ class TierkvOffloadingManager(OffloadingManager):
         return self._reserved(todo, req_id, reply.block_ids, reply.region, req_context)
 
     def _reserved(self, todo: list[bytes], req_id: str, rows: Sequence[int], region: str,
-                  ctx: ReqContext) -> PrepareStoreOutput:
+                  ctx: ReqContext, spares: Sequence[bytes] = ()) -> PrepareStoreOutput:
         """The chunks a reservation gave rows to are this job's; the others are
-        present (a use of them) or not admitted."""
+        present (a use of them) or not admitted. With `spares`, the rows are those
+        spare rows' (`spares.py`), committed as the chunks' keys."""
         stored: list[bytes] = []
         stored_rows: list[int] = []
         present: list[bytes] = []
-        for chunk, row in zip(todo, rows, strict=True):
+        for i, (chunk, row) in enumerate(zip(todo, rows, strict=True)):
             if row >= 0:
-                self.holdings.reserved(chunk, req_id, [self.keymap.key(chunk)])
+                key = self.keymap.key(chunk)
+                if spares:
+                    self.holdings.reserved(chunk, req_id, [spares[i]], written_as=key)
+                else:
+                    self.holdings.reserved(chunk, req_id, [key])
                 stored.append(chunk)
                 stored_rows.append(row)
             else:
@@ -335,7 +391,9 @@ class TierkvOffloadingManager(OffloadingManager):
                        success: bool = True) -> None:
         # Tail first: a commit inserts into the node's policy, the last most recent.
         for chunk in self._tail_first(keys, req_context):
-            self.holdings.end_store(bytes(chunk), req_context.req_id, success)
+            key = self.holdings.end_store(bytes(chunk), req_context.req_id, success)
+            if success and key is not None:
+                self.present.add(key)
 
     def storing(self, spec: TierkvLoadStoreSpec) -> bool:
         """Whether the store job of `spec` still holds a reservation."""
@@ -371,13 +429,18 @@ class TierkvOffloadingManager(OffloadingManager):
                 if answer.until <= step:
                     self.holdings.release(answer.pinned)
                     del state.answers[chunk]
+        self.spares.step_ended()
         owed = self.holdings.owed
         asked = any(state.asks for state in self._requests.values())
         due = owed and (self._idle or time.monotonic() - owed.since >= self.options.flush_s)
-        if (asked or due) and self.rounds.flush is None and not self.link.busy and (
-                not self.rounds.down):
-            self.rounds.flush = self.rounds.send(self._lookups(self._take_asks(),
-                                                               until=step + 1, step=True))
+        if self.rounds.flush is None and not self.link.busy and not self.rounds.down and (
+                asked or due or self.spares.short()):
+            asks = self._take_asks()
+            batch, carried = self._lookups(asks, until=step + 1, step=True)
+            self.rounds.add_spares(batch, carried)
+            flush = self.rounds.flush = self.rounds.send((batch, carried))
+            for req_id, _, _ in asks:
+                self._requests[req_id].in_flush = flush
         self._step = step + 1
         self.rounds.new_step()
         self._sync_left = self.options.sync_lookups
@@ -461,6 +524,7 @@ class TierkvOffloadingManager(OffloadingManager):
                     self.holdings.release(keys)
             self._loading.clear()
             self.holdings.let_go_of_everything()
+            self.holdings.commit(self.spares.drop_all(), False)
         finally:
             try:
                 self.rounds.finish(self.generation, self.link.client.timeout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from tierkv.client import Batch, BrokerUnavailable, Client, RemoteError
 from tierkv.core.loglimit import RateLimitedLog
 from tierkv.vllm.holdings import Holdings, Owed
 from tierkv.vllm.link import BrokerLink, Call
+from tierkv.vllm.spares import SpareRows
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -55,6 +57,9 @@ class Carried:
     lookups: list[tuple[str, list[bytes], int]] = field(default_factory=list)
     reserve: list[bytes] | None = None  # the tierkv keys a reserve asked for
     step: bool = False
+    spares: list[bytes] = field(default_factory=list)  # spare keys reserved (`spares.py`)
+    new_spares: int = 0  # of which new (the rest renewed)
+    spares_slot: int = -1  # their reserve's result slot
 
 
 TakeLookups = Callable[[Carried, Sequence[Any] | None, bool], None]
@@ -64,11 +69,14 @@ class Rounds:
     """Round trips of one manager: its link, what it holds and owes, its budget."""
 
     def __init__(self, client: Client, budget_ms: float, retry_s: float,
-                 take_lookups: TakeLookups, take_step: Callable[[Any], None]) -> None:
+                 take_lookups: TakeLookups, take_step: Callable[[Any], None],
+                 spare_rows: int = 0) -> None:
         self.link = BrokerLink(client)
         self.holdings = Holdings()
+        self.spares = SpareRows(spare_rows)
         self.stats = OffloadingConnectorStats()
         self.flush: Call | None = None  # the end-of-step round trip, until applied
+        self.prefetches: deque[Call] = deque()  # lookups of new requests, until applied
         self.budget_ms = budget_ms
         self.retry_s = retry_s
         self._take_lookups = take_lookups
@@ -96,11 +104,34 @@ class Rounds:
 
     # -- calls ---------------------------------------------------------------------------
 
-    def open(self, generation: int, step: bool = False) -> tuple[Batch, Carried]:
-        """A batch that first carries everything owed."""
+    def open(self, generation: int, step: bool = False,
+             owed: bool = True) -> tuple[Batch, Carried]:
+        """A batch that first carries everything owed (unless not `owed`: a batch of
+        lookups only, which may share a round trip with others)."""
         batch = self.link.batch()
-        owed = self.holdings.take()
-        return batch, Carried(owed, owed.add_to(batch), generation, step=step)
+        if not owed:
+            return batch, Carried(Owed(), 0, generation)
+        taken = self.holdings.take()
+        return batch, Carried(taken, taken.add_to(batch), generation, step=step)
+
+    def prefetch(self, made: tuple[Batch, Carried]) -> Call:
+        """Send lookups nobody waits for yet (see `catch_up`)."""
+        batch, carried = made
+        call = self.link.send(batch, carried, mergeable=True)
+        self.prefetches.append(call)
+        return call
+
+    def add_spares(self, batch: Batch, carried: Carried) -> None:
+        """Reserve spare rows in `batch` (renewals and the demand's new ones), and
+        let go of those beyond the demand."""
+        spares = self.spares
+        surplus = spares.surplus()
+        if surplus:
+            self.holdings.commit(surplus, False)
+        keys, new = spares.to_reserve(spares.now())
+        if keys:
+            carried.spares, carried.new_spares, carried.spares_slot = keys, new, len(batch)
+            batch.reserve(keys)
 
     def send(self, made: tuple[Batch, Carried]) -> Call:
         batch, carried = made
@@ -124,6 +155,9 @@ class Rounds:
     def catch_up(self) -> None:
         """Take the end-of-step round trip's answers if they came, and settle calls
         that came back after nobody waited for them."""
+        prefetches = self.prefetches
+        while prefetches and prefetches[0].done:
+            self.apply(prefetches.popleft())
         if self.flush is not None and self.flush.done:
             call, self.flush = self.flush, None
             self.apply(call)
@@ -142,6 +176,12 @@ class Rounds:
                                  else [call.error] * carried.owed_slots)
             if carried.reserve is not None and lost:
                 self.holdings.lost_reservations(carried.reserve)
+            if carried.spares:
+                self.spares.reserved(carried.spares, carried.new_spares, None, "",
+                                     self.spares.now())
+                if lost:
+                    self.holdings.lost_reservations(carried.spares[len(carried.spares)
+                                                                   - carried.new_spares:])
             self._take_lookups(carried, None, False)
             return
         assert results is not None
@@ -155,14 +195,26 @@ class Rounds:
             if not isinstance(reply, RemoteError) and reply.ok:
                 self.holdings.commit([k for k, r in zip(carried.reserve, reply.block_ids,
                                                         strict=True) if r >= 0], False)
+        if carried.spares:
+            self._take_spares(carried, results[carried.spares_slot])
         if carried.step:
             self._take_step(results[-1])
+
+    def _take_spares(self, carried: Carried, reply: Any) -> None:
+        refused = isinstance(reply, RemoteError) or not reply.ok
+        if isinstance(reply, RemoteError) and reply.code != "quota":
+            self._warn.warning("spares", "tierkv refused spare rows: %s", reply)
+        self.spares.reserved(carried.spares, carried.new_spares,
+                             None if refused else reply.block_ids,
+                             "" if refused else reply.region, self.spares.now())
 
     def finish(self, generation: int, timeout_s: float) -> None:
         """Send what is owed and wait for it (shutdown: no step budget), then close
         the connection, which tells the broker this engine is gone."""
         if self.flush is not None:
             self.flush.wait(timeout_s)
+        for call in self.prefetches:
+            call.wait(timeout_s)
         self.catch_up()
         if self.holdings.owed:
             call = self.send(self.open(generation))

@@ -31,6 +31,7 @@ Extra config read here (`kv_connector_extra_config`):
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -52,6 +53,8 @@ from tierkv.vllm.layout import check_node
 from tierkv.vllm.manager import ManagerOptions, Metrics, TierkvOffloadingManager
 from tierkv.vllm.request_keys import require_request_keys
 
+SPARE_ROWS = ManagerOptions().spare_rows
+SPARE_SHARE = 8  # spare rows: at most this fraction of the node's CPU rows (1/8)
 CONNECTOR_HINT = ('"kv_connector": "TierkvConnector", "kv_connector_module_path": '
                   '"tierkv.vllm.connector"')
 
@@ -108,15 +111,18 @@ class TierkvOffloadingSpec(OffloadingSpec):
             retry_s=_option(extra, "retry_s", 5.0),
             sync_lookups=int(_option(extra, "sync_lookups", 2)),
             max_lookup_keys=int(_option(extra, "max_lookup_keys", 2048)),
-            lookup_wait_ms=_option(extra, "lookup_wait_ms", 250.0))
+            lookup_wait_ms=_option(extra, "lookup_wait_ms", 250.0),
+            spare_rows=int(_option(extra, "spare_rows", SPARE_ROWS)))
         o = self.options
         if (self.timeout_s <= 0 or min(o.budget_ms, o.retry_s, o.sync_lookups,
-                                       o.lookup_wait_ms) < 0 or o.max_lookup_keys < 1):
+                                       o.lookup_wait_ms, o.spare_rows) < 0
+                or o.max_lookup_keys < 1):
             raise ValueError(
                 f"kv_connector_extra_config: timeout_s must be > 0, budget_ms, retry_s, "
-                f"sync_lookups and lookup_wait_ms >= 0, max_lookup_keys >= 1; got "
-                f"timeout_s={self.timeout_s}, budget_ms={o.budget_ms}, retry_s={o.retry_s}, "
-                f"sync_lookups={o.sync_lookups}, lookup_wait_ms={o.lookup_wait_ms}, "
+                f"sync_lookups, lookup_wait_ms and spare_rows >= 0, max_lookup_keys >= 1; "
+                f"got timeout_s={self.timeout_s}, budget_ms={o.budget_ms}, "
+                f"retry_s={o.retry_s}, sync_lookups={o.sync_lookups}, "
+                f"lookup_wait_ms={o.lookup_wait_ms}, spare_rows={o.spare_rows}, "
                 f"max_lookup_keys={o.max_lookup_keys}")
         # An MLA model under tensor parallelism has the same bytes on every rank: one
         # copy per block (rank 0 stores it, every rank loads it).
@@ -144,14 +150,17 @@ class TierkvOffloadingSpec(OffloadingSpec):
             if self.options.sync_lookups:  # it reads vLLM's record of a request's keys
                 require_request_keys("tierkv.vllm's sync_lookups", "set sync_lookups to 0 "
                                      "in kv_connector_extra_config")
-            self._check_node()
+            cpu_rows = self._check_node()
             client = Client(self.address, timeout=self.timeout_s, curve=self.curve)
             groups = self.config.groups
+            # Spare rows are the node's, shared with every engine: an eighth at most.
+            options = replace(self.options, spare_rows=min(self.options.spare_rows,
+                                                           cpu_rows // SPARE_SHARE))
             self._manager = TierkvOffloadingManager(
                 client, identity, [g.group_id for g in groups],
                 [g.group_id for g in groups  # the field is vLLM 0.33's: 0.32 has none
                  if getattr(g, "sliding_window_size_in_chunks", None) is not None],
-                self.tiers, self.options,
+                self.tiers, options,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
@@ -166,13 +175,15 @@ class TierkvOffloadingSpec(OffloadingSpec):
                 allow_unpinned=bool(self.extra_config.get("allow_unpinned", False)))
         return self._worker
 
-    def _check_node(self) -> None:
-        """The node must be up, and hold one chunk of every rank per CPU row."""
+    def _check_node(self) -> int:
+        """The node must be up, and hold one chunk of every rank per CPU row; its
+        CPU rows."""
         with SharedRegion.attach(self.instance) as region:
             if self.config.worker_kv_bytes_per_block > 0:
                 check_node(region.layout.page_size, region.layout.world_size,
                            self.config.worker_kv_bytes_per_block, self.node_world_size,
                            self.instance)
+            return region.layout.num_blocks
 
 
 def _option(extra: Any, name: str, default: float) -> float:

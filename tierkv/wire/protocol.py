@@ -135,8 +135,8 @@ class RequestContext:
 
 
 # Sections with keys, in the order they run and take their keys from the blob.
-KEY_SECTIONS = ("commit", "release", "lookup", "pin", "load", "reserve", "store", "touch",
-                "queue")
+KEY_SECTIONS = ("commit", "commit_as", "release", "lookup", "pin", "load", "reserve", "store",
+                "touch", "queue")
 # Arrays that go with a section: (field, bytes per item, one per key (else per group)).
 _PER_ITEM = {"commit": ("commit_ok", 1, False), "store": ("store_gpu", 4, True),
              "load": ("load_gpu", 4, True)}
@@ -153,6 +153,9 @@ class OpsRequest(Message):
     key_lens: bytes = b""
     commit: KeyGroups | None = None  # reserved blocks are written (or not: commit_ok)
     commit_ok: bytes = b""  # uint8 per commit group
+    # Reserved blocks written as the blocks of other keys: per group, n reserved keys
+    # then the n keys their rows now hold (a block present already is not stored twice).
+    commit_as: KeyGroups | None = None
     release: KeyGroups | None = None  # pinned blocks were read
     finish: list[str] = field(default_factory=list)  # requests done: leases end
     contexts: list[RequestContext] = field(default_factory=list)
@@ -260,6 +263,7 @@ class OpsResult:
     pinned: bytes = b""  # int32 per pin key: its CPU block id (-1: not pinned)
     reserved: bytes = b""  # int32 per reserve key: the CPU block to write (-1: nothing to)
     reserve_ok: bytes = b""  # uint8 per reserve group: 0 no room now (nothing reserved)
+    stored_as: bytes = b""  # uint8 per commit_as pair: 1 the key's block is the one written
     evicted: bytes = b""  # the keys reserves evicted (a key blob with `evicted_lens`)
     evicted_lens: bytes = b""
     store_jobs: bytes = b""  # int64 per store group: the job id, -1 none

@@ -1,0 +1,128 @@
+"""Off the scheduler's critical path (issue 27): a store takes rows reserved ahead
+(no round trip in the step), a new request is looked up when vLLM adds it (answered
+in the step that first asks), and lookups queued together share a round trip. Each
+with the node's own account of what it holds: a real node (broker and disk tier
+processes), vLLM's real scheduler and connector."""
+
+from __future__ import annotations
+
+import signal
+
+from tests.vllm.conftest import (
+    SHAPE,
+    chunk_keys,
+    end_step,
+    extra_config,
+    manager_of,
+    request,
+    settle,
+)
+from tests.vllm.test_connector import DOC_BLOCKS, documents, run_round
+from tests.vllm.test_manager import stored
+from tierkv.bench.vllm_engine import Engine
+from tierkv.client import Client
+from tierkv.vllm.link import BrokerLink
+
+
+def test_a_store_takes_rows_reserved_ahead_and_needs_no_round_trip(start_node, engine_on):
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node))
+    stored(m, chunk_keys(4, seed=1))  # a demand for rows: the step's end reserves spares
+    end_step(m)
+    settle(m)
+    assert len(m.spares) >= 4
+    keys = chunk_keys(3, seed=2)
+    ctx = request("w", keys)
+    node.kill("broker", signal.SIGSTOP)  # a round trip now would not come back
+    try:
+        with m.lock:
+            out = m.prepare_store(keys, ctx)
+    finally:
+        node.kill("broker", signal.SIGCONT)
+    assert out is not None and out.keys_to_store == keys
+    with Client.from_config(node.config) as other:
+        blocks = m.keymap.keys(keys)
+        assert other.lookup(blocks).hits == 0  # not a hit before it is written
+        with m.lock:
+            m.complete_store(set(keys), ctx)
+        settle(m)
+        found = other.lookup(blocks, "reader", pin=True)
+        assert found.hits == 3 and found.rows == out.store_spec.rows.tolist()
+        other.release(blocks)
+        assert other.stats(verify=True)["invariants"] == "ok"
+
+
+def test_a_block_another_engine_stored_meanwhile_is_not_stored_twice(start_node, engine_on):
+    node = start_node(cpu_blocks=256)
+    first, second = (manager_of(engine_on(node)) for _ in range(2))
+    for m, seed in ((first, 1), (second, 2)):
+        stored(m, chunk_keys(4, seed=seed))
+        end_step(m)
+        settle(m)
+    keys = chunk_keys(2, seed=3)
+    a, b = request("a", keys), request("b", keys)
+    with first.lock:
+        mine = first.prepare_store(keys, a)
+    with second.lock:
+        theirs = second.prepare_store(keys, b)
+    assert mine.keys_to_store == keys and theirs.keys_to_store == keys  # both guessed
+    with second.lock:
+        second.complete_store(set(keys), b)
+    settle(second)
+    with first.lock:
+        first.complete_store(set(keys), a)
+    settle(first)
+    with Client.from_config(node.config) as other:
+        found = other.lookup(first.keymap.keys(keys), "reader", pin=True)
+        assert found.hits == 2 and found.rows == theirs.store_spec.rows.tolist()
+        other.release(first.keymap.keys(keys))
+        stats = other.stats(verify=True)
+    assert stats["invariants"] == "ok"
+    assert stats["cpu"]["blocks_writing"] == len(first.spares) + len(second.spares)
+
+
+def test_a_new_request_is_answered_in_the_step_that_first_asks_for_it(start_node):
+    """With no lookup of its own in the step (`sync_lookups` 0), every request added
+    between steps still has its answers when the step scans it: all of a round's
+    cached prefixes are hits in its first step."""
+    node = start_node(cpu_blocks=256)
+    shape = SHAPE.__class__(**{**SHAPE.__dict__, "gpu_blocks": 128})
+    writer = Engine(shape, extra_config(node), name="writer")
+    reader = Engine(shape, extra_config(node, sync_lookups=0), name="reader")
+    try:
+        docs = documents(4)
+        run_round(writer, docs, 0)
+        settle(manager_of(writer))
+        for doc in docs:
+            reader.add(doc + [7, 8, 1], max_tokens=2)
+        reader.step()
+        assert reader.tokens["external_hits"] == len(docs) * DOC_BLOCKS * SHAPE.block_size
+        reader.run()
+    finally:
+        writer.close()
+        reader.close()
+    assert reader.mismatches == []
+
+
+def test_lookups_queued_together_share_one_round_trip(start_node):
+    node = start_node(cpu_blocks=64)
+    with Client.from_config(node.config) as writer:
+        keys = [bytes([i]) * 16 for i in range(6)]
+        writer.reserve(keys, "w")
+        writer.commit(keys)
+        before = writer.stats()["broker"]["requests"]
+        link = BrokerLink(Client.from_config(node.config))
+        try:
+            node.kill("broker", signal.SIGSTOP)  # the calls queue behind the first
+            try:
+                calls = [link.send(link.batch().lookup(keys[:i + 1], f"r{i}", pin=True),
+                                   mergeable=True) for i in range(5)]
+            finally:
+                node.kill("broker", signal.SIGCONT)
+            assert all(call.wait(10.0) for call in calls)
+            assert [call.results[0].hits for call in calls] == [1, 2, 3, 4, 5]
+            # The first call, then the four queued behind it, in one message (and the
+            # stats call that counts them).
+            assert writer.stats()["broker"]["requests"] - before <= 3
+        finally:
+            link.close()

@@ -1,0 +1,135 @@
+"""Rows reserved ahead: a store takes its rows here, with no round trip in the step.
+
+vLLM's own manager allocates a store's CPU blocks in process; a tierkv reservation
+is a round trip to the broker, and vLLM asks for one per request that completes a
+block (at 256 running requests, several a step, each on the scheduler thread). So
+the engine keeps rows reserved at the broker under keys of its own (*spares*: a
+random prefix no namespace makes, and a serial number), and `prepare_store` hands
+them out at once. When the store ends, `commit_as` tells the broker what each row
+was written with: the row becomes that key's block, or is freed if the key was
+there already (another engine stored it meanwhile: the same bytes).
+
+How many: twice the most rows a step took lately (`SpareRows.wanted`), within
+`most`; the refill rides the step's end-of-step round trip. Spares kept unused for
+`RENEW_S` are reserved again (which renews them: the broker withdraws a reservation
+left past `broker.reservation_s`, 60 s by default, and a spare written after that is
+freed at its commit, not stored). A broker that restarted (another region) voids
+them all. The broker counts spares against the engine's share like any reservation.
+
+Runs on the scheduler thread, under the manager's lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+RENEW_S = 20.0  # well inside the broker's default reservation deadline (60 s)
+REFUSED_S = 1.0  # the broker gave no rows: ask again after this long
+DECAY_STEPS = 200  # steps after which the demand seen falls by half
+PREFIX = b"\xffspare"  # no namespace starts so (they are hashes; the odds are 2^-48)
+
+
+@dataclass(slots=True)
+class Spare:
+    key: bytes
+    row: int
+    since: float  # when it was last reserved (or renewed)
+
+
+class SpareRows:
+    """The engine's spare rows (see the module docstring)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.region = ""
+        self._free: dict[bytes, Spare] = {}  # by key, oldest first
+        self._asked = 0  # rows asked for in a round trip not answered yet
+        self._peak = 0.0  # the most rows a step took lately, decaying
+        self._taken = 0  # rows taken this step
+        self._steps = 0
+        self._refused_until = 0.0  # the broker had no room: ask again after this
+        self._prefix = PREFIX + os.urandom(10)
+        self._serial = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[Spare] | None:
+        """`n` spares for one store job, or None if there are not so many."""
+        self._taken += n  # the demand, whether served here or not
+        if n > len(self._free) or n == 0:
+            return None
+        keys = list(itertools.islice(self._free, n))
+        return [self._free.pop(k) for k in keys]
+
+    def step_ended(self) -> None:
+        """Count the step's takings into the demand."""
+        self._steps += 1
+        if self._steps % DECAY_STEPS == 0:
+            self._peak /= 2
+        self._peak = max(self._peak, float(self._taken))
+        self._taken = 0
+
+    def short(self) -> bool:
+        """Fewer spares than the demand (or some due for renewal): worth a round trip."""
+        if self._asked:
+            return False
+        wanted = min(self.most, int(2 * self._peak))
+        return len(self._free) < wanted // 2 or any(
+            self.now() - s.since > RENEW_S for s in itertools.islice(self._free.values(), 1))
+
+    def to_reserve(self, now: float) -> tuple[list[bytes], int]:
+        """Keys to reserve in the next round trip: spares due for renewal, then new
+        ones up to the demand; and how many of them are new."""
+        renew = [k for k, s in self._free.items() if now - s.since > RENEW_S]
+        if now < self._refused_until:
+            return renew, 0
+        wanted = min(self.most, int(2 * self._peak)) - len(self._free) - self._asked
+        new = [self._prefix + next(self._serial).to_bytes(8, "big")
+               for _ in range(max(0, wanted))]
+        self._asked += len(new)
+        return renew + new, len(new)
+
+    def surplus(self) -> list[bytes]:
+        """Spares beyond the demand, to let go of (the node's rows are shared)."""
+        extra = len(self._free) + self._asked - max(min(self.most, int(2 * self._peak)), 0)
+        if extra <= len(self._free) // 4 or extra <= 0:
+            return []  # not worth a round trip's work yet
+        keys = list(itertools.islice(self._free, extra))
+        for key in keys:
+            del self._free[key]
+        return keys
+
+    def reserved(self, keys: list[bytes], new: int, rows: list[int] | None, region: str,
+                 now: float) -> None:
+        """The reply to `to_reserve`'s keys (the last `new` of them new; rows None:
+        refused, nothing reserved)."""
+        self._asked -= new
+        if rows is not None and region != self.region:
+            self.drop_all()
+            self.region = region
+        renewed, fresh = keys[:len(keys) - new], keys[len(keys) - new:]
+        for key in renewed:  # a spare taken meanwhile is a store's now: nothing to do
+            spare = self._free.get(key)
+            if spare is not None and rows is not None:
+                spare.since = now
+        got = 0
+        for key, row in zip(fresh, rows[len(renewed):], strict=True) if rows else ():
+            if row >= 0:  # -1: not admitted (a node with a reuse filter)
+                self._free[key] = Spare(key, row, now)
+                got += 1
+        if new and not got:
+            self._refused_until = now + REFUSED_S
+
+    def drop_all(self) -> list[bytes]:
+        """Forget every spare (the broker restarted, or the engine stops); their keys."""
+        keys = list(self._free)
+        self._free.clear()
+        return keys
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
