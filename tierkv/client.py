@@ -173,6 +173,8 @@ class Client:
         self._closed = threading.Event()
         self._held: list[JobResult] = []  # finished while `wait` looked for others
         self._held_events: list[OffloadEvent] = []
+        self._posted: set[int] = set()  # requests sent by `post`, their replies not taken
+        self._replies: dict[int, Reply] = {}  # replies to those, come while looking for others
         # rank -> the token of its KV registration: ours (kept to replace it, also
         # across reconnects), or another client's given by `use_kv`.
         self.registration_tokens: dict[int, str] = {}
@@ -376,14 +378,75 @@ class Client:
         return reply.result
 
     def _roundtrip(self, msg: Message, timeout: float) -> Reply:
+        self._keep_alive()
+        with self._lock:
+            self._last_sent = time.monotonic()
+            return self._exchange(msg, timeout)
+
+    def post(self, msg: Message, wait_s: float = 0.0) -> None:
+        """Send `msg` and return: `collect` takes its reply. For a caller that must not
+        wait (a scheduler step): it never blocks longer than `wait_s` for a
+        connection, and raises BrokerUnavailable when there is none."""
+        self._keep_alive()
+        with self._lock:
+            self._last_sent = time.monotonic()
+            if self._sock is None:
+                self._connect()
+            sock = self._sock
+            assert sock is not None
+            payload = encode(msg)
+            try:
+                sock.send(payload, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._check_address()
+                if not sock.poll(max(0, int(wait_s * 1000)), zmq.POLLOUT):
+                    raise BrokerUnavailable(
+                        f"no connection to the broker at {self.address}") from None
+                sock.send(payload, flags=zmq.NOBLOCK)
+            self._posted.add(msg.id)  # type: ignore[attr-defined]
+
+    def connected(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the connection to the broker (a `post` made before
+        it is up fails rather than wait)."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+            assert self._sock is not None
+            return bool(self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLOUT))
+
+    def collect(self, request_id: int, timeout: float = 0.0) -> Reply | None:
+        """The reply to a `post`ed request, if it is there within `timeout` seconds
+        (0: only look). Replies to other posted requests are kept for theirs."""
+        with self._lock:
+            reply = self._replies.pop(request_id, None)
+            sock = self._sock
+            deadline = time.monotonic() + timeout
+            while reply is None and sock is not None:
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN and (
+                        timeout <= 0 or not sock.poll(max(1, _ms_left(deadline)), zmq.POLLIN)):
+                    return None
+                got = decode(sock.recv(flags=zmq.NOBLOCK))
+                if isinstance(got, Reply) and got.id == request_id:
+                    reply = got
+                elif isinstance(got, Reply) and got.id in self._posted:
+                    self._replies[got.id] = got
+            self._posted.discard(request_id)
+            return reply
+
+    def forget_posted(self) -> None:
+        """Give up every posted request: the socket is made anew (what is queued on it
+        is dropped), so no late reply is mistaken for another's."""
+        with self._lock:
+            self._posted.clear()
+            self._replies.clear()
+            self._connect()
+
+    def _keep_alive(self) -> None:
         if self._pinger is None or self._closed.is_set():  # first call, or used after close
             self._closed.clear()
             self._pinger = threading.Thread(target=self._ping, name="tierkv-client-ping",
                                             daemon=True)
             self._pinger.start()
-        with self._lock:
-            self._last_sent = time.monotonic()
-            return self._exchange(msg, timeout)
 
     def _exchange(self, msg: Message, timeout: float) -> Reply:
         if self._sock is None:
@@ -411,7 +474,9 @@ class Client:
             reply = decode(data)
             if isinstance(reply, Reply) and reply.id == request_id:
                 return reply
-            # A stale reply to an earlier call that timed out: skip it.
+            if isinstance(reply, Reply) and reply.id in self._posted:
+                self._replies[reply.id] = reply  # a posted request's: `collect` takes it
+            # Else a stale reply to an earlier call that timed out: skip it.
 
     def _check_address(self) -> None:
         path = ipc_path(self.address)
@@ -421,6 +486,8 @@ class Client:
                 "running? `tierkv status -c FILE` says)")
 
     def _give_up(self, timeout: float) -> None:
+        self._posted.clear()  # their replies are lost with the socket
+        self._replies.clear()
         self._connect()  # drop whatever is queued; a restarted broker is found again
         raise BrokerUnavailable(
             f"no broker reply from {self.address} within {timeout:.1f}s (client.timeout_s)"
@@ -537,19 +604,6 @@ class Batch:
         self._wait, self._wait_s = list(job_ids), seconds
         return self
 
-    def extend(self, other: Batch) -> int:
-        """Add `other`'s calls, which must be lookups pinning as this batch's do (other
-        sections run in their fixed order, not in call order, so only lookups can be
-        merged without changing what they mean). Returns the slot of its first."""
-        first = len(self._slots)
-        section = other._sections.get("lookup")
-        if section is None or len(section.groups) != len(other._slots):
-            raise ValueError("only a batch of lookups can be merged into another")
-        for keys, req_id, status in zip(section.groups, section.req_ids, section.extra,
-                                        strict=True):
-            self.lookup(keys, req_id or None, status, bool(other._pin))
-        return first
-
     def request(self, request_id: int) -> OpsRequest:
         """The one `ops` message these calls make."""
         keys: list[OffloadKey] = []
@@ -586,7 +640,12 @@ class Batch:
         `RemoteError` (the others still ran)."""
         client = self._client
         request = self.request(client._id())
-        result = client._unwrap(client._roundtrip(request, timeout or client.timeout))
+        return self.read(client._roundtrip(request, timeout or client.timeout))
+
+    def read(self, reply: Reply) -> list[Any]:
+        """The results of this batch's calls from the broker's reply (see `send`);
+        raises its `RemoteError` if the whole request was refused."""
+        result = self._client._unwrap(reply)
         answers = result if isinstance(result, OpsResult) else to_record(OpsResult, result)
         return _Answers(self, answers).in_call_order()
 

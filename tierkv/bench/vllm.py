@@ -17,9 +17,16 @@ Two figures, each against vLLM's own in-process back end in the same run:
   (`--tierkv-hits`) of 1.5x as many documents as requests, in turn, with no such
   room and a CPU tier that holds them all: a document's next request finds it in the
   offloading tier only, so its lookups, pins and loads are what is timed. Each row
-  says how many prompt tokens the offloading tier served while timed. No forward pass and
+  says how many prompt tokens the offloading tier served while timed, and how many
+  prompt tokens were admitted per step (requests first running). No forward pass and
   no copies: the step's transfers are reported done at once, for both back ends
-  alike. The goal: at most 1.3x vLLM's step.
+  alike. The goal (issue 27): at most 1.0x vLLM's step, and no more than LMCache MP's.
+* **LMCache 0.5.6 MP beside it**, where the peers' environment exists (`python -m
+  tierkv.bench.peers.env` builds it; this never does): the same workloads with
+  vLLM's `LMCacheMPConnector` and an LMCache cache server process
+  (`tierkv.bench.peers.drivers.lmcache_step`, run in that environment). Its
+  lookups are answered asynchronously, so besides its step it says how many prompt
+  tokens it admitted per step and how many its tier served.
 * **Hit ratio** (`tierkv.bench.vllm_hits`): tierkv's policies inside vLLM's own
   manager against vLLM's LRU, on the shared-prefix stream at 32 blocks and on the
   Mooncake conversation trace at 4000 blocks (goal: every policy at least vLLM's
@@ -31,17 +38,20 @@ Needs vLLM (`pip install 'tierkv[vllm]'`, or the environment `scripts/test` make
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
-OVERHEAD_GOAL = 1.3
+OVERHEAD_GOAL = 1.0
 DOCS = 256
 DOC_TOKENS = 512
 OWN_TOKENS = 64
@@ -77,17 +87,25 @@ class Workload:
 
 @dataclass
 class Timed:
-    """Scheduler seconds per timed step, and the prompt tokens the offloading tier
-    served over those steps (vLLM's own counter)."""
+    """Scheduler seconds per timed step, the prompt tokens the offloading tier
+    served over those steps (vLLM's own counter), and the prompt tokens of the
+    requests admitted (first running) over them: a back end that makes requests
+    wait for its answers admits fewer."""
 
     seconds: list[float]
     offloaded_hit_tokens: int
+    admitted_tokens: int = 0
 
 
 def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
-               node: AbstractContextManager[Any]) -> Timed:
-    """Scheduler work per engine step at `workload.requests` running."""
+               node: AbstractContextManager[Any], make_engine: Callable[..., Any] | None = None
+               ) -> Timed:
+    """Scheduler work per engine step at `workload.requests` running. `make_engine`:
+    the harness's `Engine` (scheduler side only) unless a peer's driver brings its own
+    (same signature)."""
     from tierkv.bench.vllm_engine import Engine, EngineShape
+
+    make_engine = make_engine or Engine
 
     per_request = (DOC_TOKENS + OWN_TOKENS + 64) // 16 + 1
     shape = EngineShape(gpu_blocks=workload.requests * per_request + workload.gpu_cache_blocks,
@@ -96,11 +114,12 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
     docs = [[1000 + d * DOC_TOKENS + i for i in range(DOC_TOKENS)]
             for d in range(workload.docs)]
     with node as running:
-        engine = Engine(shape, make_extra(running), copy=False, name="bench")
+        engine = make_engine(shape, make_extra(running), copy=False, name="bench")
         try:
             serial = 0
             times: list[float] = []
-            hits_before = 0
+            hits_before = admitted = 0
+            started: set[str] = set()
             for step in range(workload.warmup + workload.steps):
                 while len(engine.scheduler.requests) < workload.requests:
                     serial += 1
@@ -110,9 +129,15 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                 if step == workload.warmup:
                     hits_before = engine.tokens["external_hits"]
                 engine.step()
+                # Outside the timed calls: which requests run for the first time.
+                for req in engine.scheduler.running:
+                    if req.request_id not in started:
+                        started.add(req.request_id)
+                        if step >= workload.warmup:
+                            admitted += req.num_prompt_tokens
                 if step >= workload.warmup:
                     times.append(engine.step_seconds[-1])
-            return Timed(times, engine.tokens["external_hits"] - hits_before)
+            return Timed(times, engine.tokens["external_hits"] - hits_before, admitted)
         finally:
             engine.close()
 
@@ -126,13 +151,16 @@ def vllm_cpu_extra(cpu_blocks: int) -> Callable[[Any], dict[str, Any]]:
 
 @dataclass
 class Overhead:
-    """Median step seconds per repeat, and offloaded hit tokens per repeat, for tierkv
-    (`ours`) and vLLM's in-process CPU manager (`theirs`), run back to back."""
+    """Median step seconds, offloaded hit tokens and admitted prompt tokens per
+    repeat, for tierkv (`ours`) and vLLM's in-process CPU manager (`theirs`), run
+    back to back."""
 
     ours: list[float]
     theirs: list[float]
     our_hits: list[int]
     their_hits: list[int]
+    our_admitted: list[int] = field(default_factory=list)
+    their_admitted: list[int] = field(default_factory=list)
 
 
 def overhead(workload: Workload, repeats: int) -> Overhead:
@@ -148,16 +176,138 @@ def overhead(workload: Workload, repeats: int) -> Overhead:
         out.ours.append(statistics.median(ours.seconds))
         out.their_hits.append(theirs.offloaded_hit_tokens)
         out.our_hits.append(ours.offloaded_hit_tokens)
+        out.their_admitted.append(theirs.admitted_tokens)
+        out.our_admitted.append(ours.admitted_tokens)
     return out
+
+
+# -- LMCache's multi-process mode, measured by its driver in the peers' environment ---
+
+PEER_DRIVER = "tierkv.bench.peers.drivers.lmcache_step"
+# Per timed or warm-up step and repeat, on top of a minute to import and start:
+# LMCache's transfers run between the steps (its server copies), ~10 ms a step at
+# 256 requests on a loaded core.
+PEER_TIMEOUT_BASE_S = 120.0
+PEER_TIMEOUT_PER_STEP_S = 0.5
+
+
+@dataclass
+class PeerStep:
+    """The driver's answer: per repeat, the median step seconds, the offloaded hit
+    tokens and the admitted prompt tokens while timed."""
+
+    label: str
+    seconds: list[float]
+    hits: list[int]
+    admitted: list[int]
+
+
+def peer_env_or_reason(root: Path | None = None) -> Any:
+    """The peers' environment (a `PeerEnv`) when it exists and holds LMCache and
+    vLLM, else one line saying why the peer is skipped and how to build it.
+    Never builds it: that is `python -m tierkv.bench.peers.env`'s (minutes, GBs)."""
+    from tierkv.bench.peers import env as peer_env
+
+    env = peer_env.existing(root)
+    where = root or peer_env.cache_root()
+    if env is None:
+        return (f"LMCache MP skipped: no peers' environment at {where} (build it with "
+                "`python -m tierkv.bench.peers.env`)")
+    for peer in ("lmcache", "vllm"):
+        if not env.usable(peer):
+            return (f"LMCache MP skipped: {peer} is not usable in the peers' environment "
+                    f"({env.skipped.get(peer, 'not installed')})")
+    return env
+
+
+def parse_peer(stdout: str, lmcache_version: str) -> PeerStep:
+    """The driver's last stdout line (JSON) as a `PeerStep`."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("the LMCache MP driver printed no result")
+    data = json.loads(lines[-1])
+    version = (data.get("versions") or {}).get("lmcache", lmcache_version)
+    return PeerStep(f"LMCache {version} MP", [float(v) for v in data["median_step_s"]],
+                    [int(v) for v in data["offloaded_hit_tokens"]],
+                    [int(v) for v in data["admitted_tokens"]])
+
+
+def peer_step(workload: Workload, repeats: int, env: Any) -> PeerStep:
+    """Run the LMCache MP driver on `workload` in the peers' environment `env`;
+    its log (LMCache's and its server's) goes to `<env root>/vllm-lmcache-step.log`."""
+    from tierkv.bench.peers.procs import REPO, tail
+
+    log = env.root / "vllm-lmcache-step.log"
+    process_env = env.process_env()
+    process_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [process_env.get("PYTHONPATH")])])
+    process_env["LMCACHE_DISABLE_BANNER"] = "1"
+    timeout = PEER_TIMEOUT_BASE_S + PEER_TIMEOUT_PER_STEP_S * repeats * (
+        workload.warmup + workload.steps)
+    cmd = [str(env.python), "-m", PEER_DRIVER, "--workload", json.dumps(asdict(workload)),
+           "--repeats", str(repeats)]
+    with open(log, "wb") as err:
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, env=process_env,
+                                  cwd=str(REPO), timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"the LMCache MP driver did not finish within {timeout:.0f} s "
+                               f"(PEER_TIMEOUT_*); last lines of {log}: {tail(log)}") from e
+    if done.returncode != 0:
+        raise RuntimeError(f"the LMCache MP driver exited with status {done.returncode}; "
+                           f"last lines of {log}: {tail(log)}")
+    return parse_peer(done.stdout.decode(errors="replace"),
+                      env.versions.get("lmcache", "0.5.6"))
+
+
+def per_step(tokens: list[int], steps: int) -> float:
+    return statistics.median(tokens) / steps if tokens else 0.0
+
+
+def peer_row(name: str, workload: Workload, repeats: int, o: Overhead,
+             peer: PeerStep) -> Row:
+    """The row of tierkv's step beside the peer's: as every row, the reference's
+    time over ours. Not paired: the peer ran after tierkv's repeats, not between."""
+    ours, theirs = statistics.median(o.ours), statistics.median(o.theirs)
+    admitted_vllm = per_step(o.their_admitted, workload.steps)
+    admitted_peer = per_step(peer.admitted, workload.steps)
+    share = f" ({admitted_peer / admitted_vllm:.2f}x vLLM's)" if admitted_vllm else ""
+    return Row("vllm", f"scheduler step, {workload.requests} running requests, {name}, "
+                       f"{peer.label}",
+               Stat.of(o.ours).scaled(1e3), "ms",
+               f"the same step with {peer.label} (vLLM's LMCacheMPConnector, a cache "
+               "server process)", ratio(peer.seconds, o.ours, paired=False),
+               Stat.of(peer.seconds).scaled(1e3), paired=False,
+               note=f"median of {workload.steps} steps per repeat, {repeats} repeats, run "
+                    f"after tierkv's; {peer.label} {statistics.median(peer.seconds) / ours:.2f}"
+                    f"x tierkv's step, {statistics.median(peer.seconds) / theirs:.2f}x "
+                    f"vLLM's; prompt tokens admitted per step: tierkv "
+                    f"{per_step(o.our_admitted, workload.steps):,.0f}, vLLM "
+                    f"{admitted_vllm:,.0f}, {peer.label} {admitted_peer:,.0f}{share}; "
+                    f"offloaded hit tokens while timed: tierkv "
+                    f"{statistics.median(o.our_hits):,.0f}, {peer.label} "
+                    f"{statistics.median(peer.hits):,.0f}")
+
+
+def peer_line(peer: PeerStep, steps: int) -> str:
+    """`python -m tierkv.bench.vllm`'s line for one system (tierkv, vLLM, a peer)."""
+    return (f"{peer.label:<28} median step {statistics.median(peer.seconds) * 1e3:7.3f} ms "
+            f"(repeats: {', '.join(f'{v * 1e3:.3f}' for v in peer.seconds)}); offloaded hit "
+            f"tokens while timed: {', '.join(f'{h:,}' for h in peer.hits)}; admitted prompt "
+            f"tokens per step: {per_step(peer.admitted, steps):,.0f}")
 
 
 def run(part: Part, opts: Options) -> None:
     base = Workload(requests=64 if opts.quick else 256, steps=40 if opts.quick else 300,
                     warmup=20 if opts.quick else 60)
     repeats = opts.pick(1, 3)
+    env = peer_env_or_reason()
+    if isinstance(env, str):
+        part.note(env)
     for name, workload in (("repeats in vLLM's GPU cache", base),
                            ("repeats served by the offloading tier", base.tierkv_hits())):
         o = overhead(workload, repeats)
+        steps = workload.steps
         times = statistics.median(o.ours) / statistics.median(o.theirs)
         # As every part: the reference's time over ours (1.0: as fast as in-process).
         part.add(Row("vllm", f"scheduler step, {workload.requests} running requests, {name}",
@@ -167,7 +317,14 @@ def run(part: Part, opts: Options) -> None:
                      note=f"median of {workload.steps} steps per repeat, {repeats} repeats; "
                           f"{times:.2f}x vLLM's step (goal <= {OVERHEAD_GOAL}x); offloaded "
                           f"hit tokens while timed: tierkv {statistics.median(o.our_hits):,.0f}"
-                          f", vLLM {statistics.median(o.their_hits):,.0f}"))
+                          f", vLLM {statistics.median(o.their_hits):,.0f}; prompt tokens "
+                          f"admitted per step: tierkv {per_step(o.our_admitted, steps):,.0f}"
+                          f", vLLM {per_step(o.their_admitted, steps):,.0f}"))
+        if not isinstance(env, str) and not part.over_budget(f"LMCache MP, {name}"):
+            try:
+                part.add(peer_row(name, workload, repeats, o, peer_step(workload, repeats, env)))
+            except (RuntimeError, ValueError, KeyError) as e:
+                part.note(f"LMCache MP, {name}: failed: {e}")
         if part.over_budget("the next workload"):
             return
     hit_ratio_rows(part, opts)
@@ -223,13 +380,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.tierkv_hits:
         workload = workload.tierkv_hits()
     o = overhead(workload, args.repeats)
-    for name, values, hits in (("tierkv", o.ours, o.our_hits),
-                               ("vLLM CPUOffloadingManager", o.theirs, o.their_hits)):
-        print(f"{name:<28} median step {statistics.median(values) * 1e3:7.3f} ms "
-              f"(repeats: {', '.join(f'{v * 1e3:.3f}' for v in values)}); offloaded hit "
-              f"tokens while timed: {', '.join(f'{h:,}' for h in hits)}")
+    for system in (PeerStep("tierkv", o.ours, o.our_hits, o.our_admitted),
+                   PeerStep("vLLM CPUOffloadingManager", o.theirs, o.their_hits,
+                            o.their_admitted)):
+        print(peer_line(system, workload.steps))
     print(f"ratio tierkv / vLLM: {statistics.median(o.ours) / statistics.median(o.theirs):.2f} "
           f"(goal <= {OVERHEAD_GOAL})")
+    env = peer_env_or_reason()
+    if isinstance(env, str):
+        print(env)
+        return 0
+    try:
+        peer = peer_step(workload, args.repeats, env)
+    except (RuntimeError, ValueError, KeyError) as e:
+        print(f"LMCache MP: failed: {e}")
+        return 1
+    print(peer_line(peer, workload.steps))
+    print(f"ratio {peer.label} / tierkv: "
+          f"{statistics.median(peer.seconds) / statistics.median(o.ours):.2f}")
     return 0
 
 

@@ -1,32 +1,34 @@
-"""The scheduler's one connection to the tierkv broker, on a thread of its own.
+"""The scheduler's one connection to the tierkv broker, with no thread of its own.
 
 vLLM calls the manager on its scheduler thread, where every millisecond spent
-waiting is a millisecond of every running request's step. So the manager never
-talks to the broker itself: it hands a `Batch` to this link and waits for the
-answer at most as long as its step budget allows (`Call.wait`). A call that is
-still out when the wait ends is *abandoned*, not lost: the link thread keeps
-waiting for its reply (up to the client's `timeout_s`) and, when it comes, hands
-the call back through `take_late`, so the manager can undo what it no longer
-wants (release the pins of a lookup nobody was told about, abort a reservation
-no store will write) on its own thread. Only a call that gets no reply at all
-within `timeout_s` ends with `BrokerUnavailable`; what it did at the broker is
-then unknown, and the broker's own deadlines (`broker.reservation_s`,
-`broker.pin_s`) bound what it may still hold.
+waiting is a millisecond of every running request's step. So a call is sent and
+left: the broker works on it while the scheduler goes on, its reply waits in
+ZeroMQ's queue (filled by libzmq's own I/O thread, which needs no Python lock), and
+the manager takes it when it next looks (`pump`, a check of the socket), or waits
+for it at most as long as its step budget allows (`Call.wait`). There is no link
+thread on purpose: a Python thread that receives replies needs the interpreter's
+lock, which the scheduler thread holds while it works, so every reply it handled
+came up to a switch interval (5 ms) late, longer than the round trip itself.
 
-Calls run one at a time, in the order given: a commit sent before a lookup is
-applied before it.
+Calls are answered in the order they were sent (one connection, one broker loop),
+so a commit sent before a lookup is applied before it. A call still out when its
+wait ends is *abandoned*, not lost: its reply is taken when it comes and the call is
+handed back through `take_late`, so the manager can undo what it no longer wants
+(release the pins of a lookup nobody was told about, abort a reservation no store
+will write). Only a call with no reply within the client's `timeout_s` ends with
+`BrokerUnavailable`, and every call sent after it with it (the connection is made
+anew, dropping what it held); what they did at the broker is then unknown, and the
+broker's own deadlines (`broker.reservation_s`, `broker.pin_s`) bound what it may
+still hold.
 
-Threads: `send`, `take_late`, `busy` and `close` are called by the manager (under
-its lock); `Call.wait` and `Call.abandon` by the thread that sent the call. The
-link thread alone touches the client's socket.
+Everything here runs on the thread that holds the manager's lock.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
+from collections import deque
 from typing import Any
 
 from tierkv.client import Batch, BrokerUnavailable, Client, RemoteError
@@ -34,8 +36,9 @@ from tierkv.wire.protocol import ProtocolError
 
 log = logging.getLogger("tierkv.vllm")
 
-CLOSE_WAIT_S = 5.0  # how long `close` waits for the call in flight
-MAX_MERGED = 64  # lookup calls in one round trip, at most
+CLOSE_WAIT_S = 5.0  # how long `close` waits for the calls still out
+CONNECT_WAIT_S = 0.002  # a send waits this long at most for a connection
+FAILURES = (BrokerUnavailable, RemoteError, ProtocolError, ValueError)
 
 
 class Call:
@@ -45,149 +48,130 @@ class Call:
     lookups, reservations) so that it can settle them whichever way the call ends;
     the link never reads it."""
 
-    __slots__ = ("_abandoned", "_done", "_lock", "batch", "carried", "error", "mergeable",
+    __slots__ = ("_abandoned", "_done", "_link", "batch", "carried", "error", "request_id",
                  "results", "sent_at")
 
-    def __init__(self, batch: Batch, carried: Any, mergeable: bool = False) -> None:
+    def __init__(self, link: BrokerLink, batch: Batch, carried: Any) -> None:
+        self._link = link
         self.batch = batch
         self.carried = carried
-        self.mergeable = mergeable  # lookups only: may share a round trip with others
         self.results: list[Any] | None = None
         self.error: Exception | None = None
         self.sent_at = time.monotonic()
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self.request_id = 0
+        self._done = False
         self._abandoned = False
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, seconds: float) -> bool:
         """Whether the call ended within `seconds` (0: only look)."""
-        return self._done.is_set() or (seconds > 0 and self._done.wait(seconds))
+        return self._done or self._link.pump(self, seconds)
 
     def abandon(self) -> bool:
         """Give the call up: its end comes back through `BrokerLink.take_late`.
         False if it had ended already (then its results are the caller's)."""
-        with self._lock:
-            if self._done.is_set():
-                return False
-            self._abandoned = True
-            return True
+        if self._done:
+            return False
+        self._abandoned = True
+        return True
 
     def _end(self, results: list[Any] | None, error: Exception | None,
-             late: queue.SimpleQueue[Call]) -> None:
-        with self._lock:
-            self.results, self.error = results, error
-            self._done.set()
-            if self._abandoned:
-                late.put(self)
+             late: list[Call]) -> None:
+        self.results, self.error, self._done = results, error, True
+        if self._abandoned:
+            late.append(self)
 
 
 class BrokerLink:
-    """A thread that sends `Call`s to the broker, one at a time."""
+    """Calls to the broker, sent at once and answered in order."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
-        self._late: queue.SimpleQueue[Call] = queue.SimpleQueue()
-        self._out = 0  # calls sent and not ended (read by the manager's thread)
-        self._started: float | None = None  # when the call in flight was sent
-        self._out_lock = threading.Lock()
-        self._next: Call | None = None  # taken from the queue while merging, not merged
-        self._thread = threading.Thread(target=self._run, name="tierkv-vllm-link",
-                                        daemon=True)
-        self._thread.start()
+        self._out: deque[Call] = deque()  # sent, not answered, oldest first
+        self._late: list[Call] = []
+        # At start, not in a step: the first calls find the connection up (one that
+        # is not sends nothing and the manager goes on without the broker a while).
+        client.connected(client.timeout)
 
     def batch(self) -> Batch:
         return self.client.batch()
 
-    def send(self, batch: Batch, carried: Any = None, mergeable: bool = False) -> Call:
-        """Queue `batch`; returns at once. Calls queued back to back that are all
-        `mergeable` (lookups only) go in one round trip."""
-        call = Call(batch, carried, mergeable)
-        with self._out_lock:
-            self._out += 1
-        self._calls.put(call)
+    def send(self, batch: Batch, carried: Any = None) -> Call:
+        """Send `batch`; returns at once (a call that cannot be sent has ended)."""
+        call = Call(self, batch, carried)
+        try:
+            request = batch.request(self.client._id())
+            call.request_id = request.id
+            self.client.post(request, CONNECT_WAIT_S)
+        except FAILURES as e:
+            call._end(None, e, self._late)
+            return call
+        self._out.append(call)
         return call
 
     @property
     def busy(self) -> bool:
-        """A call is queued or in flight (a new one would wait behind it)."""
-        return self._out > 0
+        """A call is out (a new one is answered after it)."""
+        return bool(self._out)
 
     def stalled(self, seconds: float) -> bool:
-        """The call in flight has been out longer than `seconds`."""
-        started = self._started
-        return self._out > 0 and started is not None and time.monotonic() - started > seconds
+        """The oldest call out has been out longer than `seconds`."""
+        return bool(self._out) and time.monotonic() - self._out[0].sent_at > seconds
+
+    def pump(self, until: Call | None = None, seconds: float = 0.0) -> bool:
+        """Take the replies that are there, or that come within `seconds` while
+        `until` is still out; True if `until` (when given) has ended."""
+        deadline = time.monotonic() + seconds
+        out = self._out
+        while out:
+            call = out[0]
+            now = time.monotonic()
+            wait = 0.0
+            if until is not None and not until.done:  # no longer than this call may take
+                wait = min(deadline, call.sent_at + self.client.timeout) - now
+            reply = self.client.collect(call.request_id, max(wait, 0.0))
+            if reply is None:
+                if time.monotonic() - call.sent_at >= self.client.timeout:
+                    self._lost()
+                    continue  # `until` ended with them
+                if wait <= 0 or time.monotonic() >= deadline:
+                    break
+                continue  # the oldest call may take longer than this wait: look again
+            out.popleft()
+            try:
+                call._end(call.batch.read(reply), None, self._late)
+            except FAILURES as e:
+                call._end(None, e, self._late)
+            except Exception as e:  # never let a bad reply end the engine: the manager sees it
+                log.exception("tierkv: a broker reply could not be read")
+                call._end(None, e, self._late)
+        return until is None or until.done
 
     def take_late(self) -> list[Call]:
         """Abandoned calls that have ended since the last look."""
-        late: list[Call] = []
-        if self._late.empty():  # the common case, on every lookup without an answer
-            return late
-        while True:
-            try:
-                late.append(self._late.get_nowait())
-            except queue.Empty:
-                return late
+        if self._out:
+            self.pump()
+        late, self._late = self._late, []
+        return late
 
     def close(self) -> None:
-        """Stop the thread (after the call in flight, bounded) and close the client,
-        which tells the broker this engine is gone."""
-        self._calls.put(None)
-        self._thread.join(CLOSE_WAIT_S)
-        if self._thread.is_alive():
-            log.warning("tierkv: a broker call was still out after %.0fs at shutdown",
-                        CLOSE_WAIT_S)
+        """Wait for the calls still out (bounded), then close the client, which tells
+        the broker this engine is gone."""
+        if self._out and not self.pump(self._out[-1], CLOSE_WAIT_S):
+            log.warning("tierkv: %d broker calls were still out after %.0fs at shutdown",
+                        len(self._out), CLOSE_WAIT_S)
         self.client.close()
 
-    # -- the link thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            call, self._next = self._next or self._calls.get(), None
-            if call is None:
-                return
-            calls = self._merged(call)
-            batch = call.batch
-            starts = [0]
-            if len(calls) > 1:
-                batch = self.client.batch()
-                starts = [batch.extend(c.batch) for c in calls]
-            results: list[Any] | None = None
-            error: Exception | None = None
-            self._started = time.monotonic()
-            try:
-                results = batch.send()
-            except (BrokerUnavailable, RemoteError, ProtocolError, ValueError) as e:
-                error = e
-            except Exception as e:  # never let the link die: the manager sees the error
-                log.exception("tierkv: a broker call failed")
-                error = e
-            self._started = None
-            with self._out_lock:
-                self._out -= len(calls)
-            starts.append(len(batch))
-            for i, each in enumerate(calls):
-                each._end(None if results is None else results[starts[i]:starts[i + 1]],
-                          error, self._late)
-
-    def _merged(self, call: Call) -> list[Call]:
-        """`call` and the mergeable calls queued right behind it (if it is one)."""
-        calls = [call]
-        while call.mergeable and len(calls) < MAX_MERGED:
-            try:
-                following = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if following is None:  # `close`: after these
-                self._calls.put(None)
-                break
-            if not following.mergeable:
-                self._next = following
-                break
-            calls.append(following)
-        return calls
-
+    def _lost(self) -> None:
+        """The oldest call had no reply within the client's timeout: it and every call
+        after it end unanswered, and the connection is made anew."""
+        error = BrokerUnavailable(f"no broker reply from {self.client.address} within "
+                                  f"{self.client.timeout:.1f}s (client.timeout_s)")
+        calls = list(self._out)
+        self._out.clear()
+        self.client.forget_posted()
+        for call in calls:
+            call._end(None, error, self._late)

@@ -136,8 +136,11 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
                  until: int) -> dict[bytes, Answer]:
     """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
     lookup failed, every chunk a miss."""
+    # Answers that are not hits hold nothing and are never changed: one of each
+    # status serves every chunk (an engine step makes thousands).
+    others = {status: Answer(status, until) for status in STATUS.values()}
     if found is None:
-        return {k: Answer(LookupResult.MISS, until) for k in chain}
+        return dict.fromkeys(chain, others[LookupResult.MISS])
     rows = found.rows or [-1] * len(chain)
     if found.statuses is None:  # a leading run
         rest = "retry" if found.pending or found.retry else "miss"
@@ -152,6 +155,5 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
             answers[chunk] = Answer(LookupResult.HIT, until, row, [keymap.key(chunk)],
                                     source, found.region)
         else:  # a hit whose pin was refused (the owner's share) reads as a miss
-            answers[chunk] = Answer(LookupResult.MISS if status == "hit" else STATUS[status],
-                                    until)
+            answers[chunk] = others[LookupResult.MISS if status == "hit" else STATUS[status]]
     return answers

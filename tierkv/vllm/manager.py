@@ -433,7 +433,7 @@ class TierkvOffloadingManager(OffloadingManager):
         owed = self.holdings.owed
         asked = any(state.asks for state in self._requests.values())
         due = owed and (self._idle or time.monotonic() - owed.since >= self.options.flush_s)
-        if self.rounds.flush is None and not self.link.busy and not self.rounds.down and (
+        if self.rounds.flush is None and not self.rounds.down and (
                 asked or due or self.spares.short()):
             asks = self._take_asks()
             batch, carried = self._lookups(asks, until=step + 1, step=True)

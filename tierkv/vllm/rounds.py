@@ -100,7 +100,7 @@ class Rounds:
 
     def can_wait(self) -> bool:
         """A round trip of its own could be waited for now."""
-        return self._budget_s > 0 and not self.link.busy and not self.down
+        return self._budget_s > 0 and not self.down
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class Rounds:
     def prefetch(self, made: tuple[Batch, Carried]) -> Call:
         """Send lookups nobody waits for yet (see `catch_up`)."""
         batch, carried = made
-        call = self.link.send(batch, carried, mergeable=True)
+        call = self.link.send(batch, carried)
         self.prefetches.append(call)
         return call
 
@@ -155,6 +155,7 @@ class Rounds:
     def catch_up(self) -> None:
         """Take the end-of-step round trip's answers if they came, and settle calls
         that came back after nobody waited for them."""
+        self.link.pump()
         prefetches = self.prefetches
         while prefetches and prefetches[0].done:
             self.apply(prefetches.popleft())

@@ -245,6 +245,19 @@ def read_stamp(root: Path) -> dict[str, object] | None:
         return None
 
 
+def existing(root: Path | None = None) -> PeerEnv | None:
+    """The environment as built, when it is there and its stamp matches the pins;
+    None otherwise. Never builds (for benchmarks that only use it if present)."""
+    root = root or cache_root()
+    python = root / "venv" / "bin" / "python"
+    stamp = read_stamp(root)
+    if stamp is None or stamp.get("wanted") != wanted() or not python.exists():
+        return None
+    return PeerEnv(root, python, log=root / "build.log",
+                   versions=dict(stamp.get("versions") or {}),  # type: ignore[call-overload]
+                   skipped=dict(stamp.get("skipped") or {}))  # type: ignore[call-overload]
+
+
 def ensure(root: Path | None = None, rebuild: bool = False,
            echo: object = None) -> PeerEnv:
     """The peers' environment: reused when its stamp matches the pins, else built
@@ -253,15 +266,11 @@ def ensure(root: Path | None = None, rebuild: bool = False,
     longer imports fails when its driver starts, and says why there."""
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
+    if not rebuild and (found := existing(root)) is not None:
+        return found
     python = root / "venv" / "bin" / "python"
     log = root / "build.log"
-    stamp = read_stamp(root)
     result = PeerEnv(root, python, log=log)
-    if not (rebuild or stamp is None or stamp.get("wanted") != wanted()
-            or not python.exists()):
-        result.versions = dict(stamp.get("versions") or {})  # type: ignore[call-overload]
-        result.skipped = dict(stamp.get("skipped") or {})  # type: ignore[call-overload]
-        return result
     if echo:
         print(f"  # building the peers' environment in {root} (log: {log})",
               file=echo, flush=True)  # type: ignore[call-overload]
