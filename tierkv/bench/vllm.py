@@ -52,6 +52,7 @@ from typing import Any
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
 OVERHEAD_GOAL = 1.0
+ANSWERED_GOAL = 0.95
 DOCS = 256
 DOC_TOKENS = 512
 OWN_TOKENS = 64
@@ -95,6 +96,9 @@ class Timed:
     seconds: list[float]
     offloaded_hit_tokens: int
     admitted_tokens: int = 0
+    # Of the requests first asked about while timed, the share the back end answered
+    # in that step (vLLM's connector did not defer them to a later step).
+    answered_first: float = 0.0
 
 
 def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
@@ -115,6 +119,7 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
             for d in range(workload.docs)]
     with node as running:
         engine = make_engine(shape, make_extra(running), copy=False, name="bench")
+        first = _first_answers(engine.scheduler.connector)
         try:
             serial = 0
             times: list[float] = []
@@ -128,6 +133,7 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                     engine.add(doc + own, max_tokens=rng.randint(16, 64))
                 if step == workload.warmup:
                     hits_before = engine.tokens["external_hits"]
+                    first.clear()
                 engine.step()
                 # Outside the timed calls: which requests run for the first time.
                 for req in engine.scheduler.running:
@@ -137,9 +143,26 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                             admitted += req.num_prompt_tokens
                 if step >= workload.warmup:
                     times.append(engine.step_seconds[-1])
-            return Timed(times, engine.tokens["external_hits"] - hits_before, admitted)
+            answered = sum(first.values()) / len(first) if first else 0.0
+            return Timed(times, engine.tokens["external_hits"] - hits_before, admitted,
+                         answered)
         finally:
             engine.close()
+
+
+def _first_answers(connector: Any) -> dict[str, bool]:
+    """Per request, whether vLLM's first ask about it was answered (not deferred to
+    a later step), filled as the scheduler asks (both back ends pay the same wrap)."""
+    first: dict[str, bool] = {}
+    ask = connector.get_num_new_matched_tokens
+
+    def asked(request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = ask(request, *args, **kwargs)
+        first.setdefault(request.request_id, result[0] is not None)
+        return result
+
+    connector.get_num_new_matched_tokens = asked
+    return first
 
 
 def vllm_cpu_extra(cpu_blocks: int) -> Callable[[Any], dict[str, Any]]:
@@ -161,6 +184,14 @@ class Overhead:
     their_hits: list[int]
     our_admitted: list[int] = field(default_factory=list)
     their_admitted: list[int] = field(default_factory=list)
+    our_answered: list[float] = field(default_factory=list)  # `Timed.answered_first`
+    their_answered: list[float] = field(default_factory=list)
+
+    def answered(self) -> str:
+        """Admission: the share of requests answered in the step that first asked."""
+        return (f"requests answered in the step first asking: tierkv "
+                f"{statistics.median(self.our_answered):.1%}, vLLM "
+                f"{statistics.median(self.their_answered):.1%} (goal >= {ANSWERED_GOAL:.0%})")
 
 
 def overhead(workload: Workload, repeats: int) -> Overhead:
@@ -178,6 +209,8 @@ def overhead(workload: Workload, repeats: int) -> Overhead:
         out.our_hits.append(ours.offloaded_hit_tokens)
         out.their_admitted.append(theirs.admitted_tokens)
         out.our_admitted.append(ours.admitted_tokens)
+        out.their_answered.append(theirs.answered_first)
+        out.our_answered.append(ours.answered_first)
     return out
 
 
@@ -319,7 +352,7 @@ def run(part: Part, opts: Options) -> None:
                           f"hit tokens while timed: tierkv {statistics.median(o.our_hits):,.0f}"
                           f", vLLM {statistics.median(o.their_hits):,.0f}; prompt tokens "
                           f"admitted per step: tierkv {per_step(o.our_admitted, steps):,.0f}"
-                          f", vLLM {per_step(o.their_admitted, steps):,.0f}"))
+                          f", vLLM {per_step(o.their_admitted, steps):,.0f}; {o.answered()}"))
         if not isinstance(env, str) and not part.over_budget(f"LMCache MP, {name}"):
             try:
                 part.add(peer_row(name, workload, repeats, o, peer_step(workload, repeats, env)))
@@ -386,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         print(peer_line(system, workload.steps))
     print(f"ratio tierkv / vLLM: {statistics.median(o.ours) / statistics.median(o.theirs):.2f} "
           f"(goal <= {OVERHEAD_GOAL})")
+    print(o.answered())
     env = peer_env_or_reason()
     if isinstance(env, str):
         print(env)
