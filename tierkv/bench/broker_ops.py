@@ -188,6 +188,24 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     return results
 
 
+def loaded_tail(client: Client, rounds: int, hogs: int) -> tuple[list[float], list[float]]:
+    """A 64-key lookup's round trips, on a quiet machine and then with `hogs` busy
+    processes beside it (each a Python loop that never sleeps): the tail a loaded
+    engine host gives the control plane."""
+    hot = [key(i) for i in range(KEYS_PER_REQUEST)]
+    quiet = timed(lambda: client.lookup(hot, "tail"), rounds)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        time.sleep(0.2)  # let them take their share
+        loaded = timed(lambda: client.lookup(hot, "tail"), rounds)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait(5)
+    client.batch().finish("tail").send()
+    return quiet, loaded
+
+
 ECHO = """
 import sys, zmq
 sock = zmq.Context.instance().socket(zmq.ROUTER)

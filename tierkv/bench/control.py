@@ -11,6 +11,7 @@ first key (the per-request overhead alone).
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
@@ -18,6 +19,7 @@ from tierkv.bench.common import Options, Part, Row, Stat, ratio
 # The CPU tier's page size does not matter to the control plane: small pages keep
 # the node's shared memory small. Blocks: the least the bench node takes.
 PAGE = 16 * 1024
+TAIL_GOAL = 3.0
 BLOCKS = 512
 
 
@@ -27,12 +29,16 @@ def run(part: Part, opts: Options) -> None:
         REQUESTS_PER_STEP,
         bench_node,
         control_plane,
+        loaded_tail,
+        percentiles,
     )
 
     repeats = opts.pick(2, 5)
     rounds = 100 if opts.quick else 2000
+    hogs = 2 * (os.cpu_count() or 1)
     with bench_node(BLOCKS, PAGE) as (client, _kv):
         runs = control_plane(client, rounds, repeats)
+        quiet, loaded = loaded_tail(client, rounds, hogs)
     step = f"step {REQUESTS_PER_STEP} req x {KEYS_PER_REQUEST} keys"
     labels = {
         "lookup": (f"lookup {KEYS_PER_REQUEST} keys, round trip", "us", 1e6, False),
@@ -57,5 +63,12 @@ def run(part: Part, opts: Options) -> None:
     part.add(Row("control", "keys through lookup, batched step of hits", Stat.of(remote),
                  "M keys/s", "in-process TieringManager", ratio(remote, local),
                  Stat.of(local), headline=False))
+    for label, samples in (("quiet", quiet), (f"{hogs} busy processes (2x the cores)", loaded)):
+        p50, p99 = percentiles(samples)
+        part.add(Row("control", f"lookup {KEYS_PER_REQUEST} keys, p99 / p50, {label}",
+                     Stat.one(p99 / p50), "x", "its own p50", None,
+                     headline=label != "quiet",
+                     note=f"p50 {p50 * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us of {len(samples)} "
+                          f"round trips (goal: p99 <= {TAIL_GOAL:g}x p50 when loaded)"))
     part.note(f"per key in a step of hits: {1 / statistics.median(remote):.3f} us "
               "through the broker")
