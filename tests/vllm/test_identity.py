@@ -124,6 +124,8 @@ def test_without_tierkvs_connector_the_engine_is_told_what_to_set():
     ("budget_ms", -1, "budget_ms=-1.0"),
     ("timeout_s", 0, "timeout_s must be > 0"),
     ("max_lookup_keys", 0, "max_lookup_keys=0"),
+    ("spare_rows", -1, "spare_rows=-1"),
+    ("prefetch_requests", "many", "prefetch_requests must be a number, got 'many'"),
 ])
 def test_a_bad_option_is_refused_naming_it(key, value, error):
     from tierkv.vllm.spec import TierkvOffloadingSpec

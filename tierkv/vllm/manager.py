@@ -101,6 +101,7 @@ class ManagerOptions:
     max_lookup_keys: int = 2048  # chunks of one request in one lookup of its own
     lookup_wait_ms: float = 250.0  # a request waits this long for answers, then misses
     spare_rows: int = 1024  # rows reserved ahead for stores, at most (`spares.py`)
+    prefetch_requests: int = 64  # new requests looked up before vLLM asks, at most at once
 
 
 class TierkvOffloadingManager(OffloadingManager):
@@ -205,8 +206,10 @@ class TierkvOffloadingManager(OffloadingManager):
         steps): the answers are there, or on their way, when its first scan comes, so
         it is admitted in the step that first asks for it. Every key from the first,
         per group; pins of hits vLLM's own prefix cache makes needless go after
-        `HIT_STEPS`."""
-        if self.rounds.down:
+        `HIT_STEPS`. At most `prefetch_requests` are out at once: a long queue added
+        at once must not start promotions (and evictions) for requests that will not
+        run for many steps; those are looked up when the step scans them."""
+        if self.rounds.down or len(self.rounds.prefetches) >= self.options.prefetch_requests:
             return
         state = self._state(ctx)
         chains: dict[int, list[tuple[int, bytes]]] = {}

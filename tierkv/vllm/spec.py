@@ -54,6 +54,7 @@ from tierkv.vllm.manager import ManagerOptions, Metrics, TierkvOffloadingManager
 from tierkv.vllm.request_keys import require_request_keys
 
 SPARE_ROWS = ManagerOptions().spare_rows
+PREFETCH_REQUESTS = ManagerOptions().prefetch_requests
 SPARE_SHARE = 8  # spare rows: at most this fraction of the node's CPU rows (1/8)
 CONNECTOR_HINT = ('"kv_connector": "TierkvConnector", "kv_connector_module_path": '
                   '"tierkv.vllm.connector"')
@@ -112,17 +113,20 @@ class TierkvOffloadingSpec(OffloadingSpec):
             sync_lookups=int(_option(extra, "sync_lookups", 2)),
             max_lookup_keys=int(_option(extra, "max_lookup_keys", 2048)),
             lookup_wait_ms=_option(extra, "lookup_wait_ms", 250.0),
-            spare_rows=int(_option(extra, "spare_rows", SPARE_ROWS)))
+            spare_rows=int(_option(extra, "spare_rows", SPARE_ROWS)),
+            prefetch_requests=int(_option(extra, "prefetch_requests", PREFETCH_REQUESTS)))
         o = self.options
         if (self.timeout_s <= 0 or min(o.budget_ms, o.retry_s, o.sync_lookups,
-                                       o.lookup_wait_ms, o.spare_rows) < 0
+                                       o.lookup_wait_ms, o.spare_rows, o.prefetch_requests) < 0
                 or o.max_lookup_keys < 1):
             raise ValueError(
                 f"kv_connector_extra_config: timeout_s must be > 0, budget_ms, retry_s, "
-                f"sync_lookups, lookup_wait_ms and spare_rows >= 0, max_lookup_keys >= 1; "
+                f"sync_lookups, lookup_wait_ms, spare_rows and prefetch_requests >= 0, "
+                f"max_lookup_keys >= 1; "
                 f"got timeout_s={self.timeout_s}, budget_ms={o.budget_ms}, "
                 f"retry_s={o.retry_s}, sync_lookups={o.sync_lookups}, "
                 f"lookup_wait_ms={o.lookup_wait_ms}, spare_rows={o.spare_rows}, "
+                f"prefetch_requests={o.prefetch_requests}, "
                 f"max_lookup_keys={o.max_lookup_keys}")
         # An MLA model under tensor parallelism has the same bytes on every rank: one
         # copy per block (rank 0 stores it, every rank loads it).
