@@ -308,6 +308,20 @@ class StandInModel:
                 forward.done.set()
 
 
+def connector_output(worker: Any, results: Any) -> KVConnectorOutput:
+    """What vLLM's model runner hands its scheduler of a step's transfers (the
+    worker's `get_transfer_results`, its load errors and metadata); the worker's
+    step metadata is cleared."""
+    output = KVConnectorOutput(
+        finished_sending=results.finished_sending or None,
+        finished_recving=results.finished_recving or None,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    return output
+
+
 @dataclass
 class Engine:
     """One vLLM engine: scheduler, worker-side connector, KV tensors, stand-in model."""
@@ -453,14 +467,7 @@ class Engine:
             copier = self._copier()
             copier.wait(copier.in_flight())  # the race, every time
         model.release(keep=launched)
-        output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta())
-        worker.clear_connector_metadata()
-        return output
+        return connector_output(worker, results)
 
     def _samples(self, req_id: str, out: Any) -> bool:
         """A request samples a token once its prompt is computed by this step."""

@@ -1,7 +1,9 @@
 """The manager's round trips to the broker, within the scheduler step's budget.
 
 Every round trip carries what the engine owes the broker first (`holdings.py`), then
-its own business: lookups, at most one reserve, and at the step's end the step. The
+its own business: lookups, at most one reserve (a store's, or at the step's end the
+spare rows' of `spares.py`), and at the step's end the step; a new request's lookups
+(`prefetch`) go alone, owing nothing, so they never wait for what is owed. The
 manager waits for one only as long as the step's budget has left (`wait`); one it
 gave up is settled when it comes back (`catch_up`, on the scheduler thread): its
 owed operations confirmed or owed again, its lookups' pins released, its reserved

@@ -75,7 +75,12 @@ for _name, _attrs in (("tierkv.node.config", ("Config", "config_from_dict")),
 
 from tierkv.bench import vllm_engine  # noqa: E402
 from tierkv.bench.vllm import Workload, step_times  # noqa: E402
-from tierkv.bench.vllm_engine import Engine, EngineShape, kv_cache_config  # noqa: E402
+from tierkv.bench.vllm_engine import (  # noqa: E402
+    Engine,
+    EngineShape,
+    connector_output,
+    kv_cache_config,
+)
 
 HOST = "127.0.0.1"
 CHUNK_TOKENS = 256  # LMCache's default chunk
@@ -188,8 +193,6 @@ class LMCacheStepEngine(Engine):
 
     def _work(self, out: Any) -> Any:
         """vLLM's model runner's connector calls, the forward pass left out."""
-        from vllm.v1.outputs import KVConnectorOutput
-
         worker = self.worker
         meta = out.kv_connector_metadata
         worker.handle_preemptions(meta)
@@ -197,15 +200,7 @@ class LMCacheStepEngine(Engine):
         worker.start_load_kv(None)
         worker.wait_for_save()
         self._wait_transfers()
-        results = worker.get_transfer_results(out.finished_req_ids)
-        output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta())
-        worker.clear_connector_metadata()
-        return output
+        return connector_output(worker, worker.get_transfer_results(out.finished_req_ids))
 
     # Per engine closed: whether the scheduler's and the worker's adapters still
     # thought the server healthy (a degraded adapter drops lookups and stores).
