@@ -250,6 +250,9 @@ class TierkvOffloadingManager(OffloadingManager):
             if isinstance(found, RemoteError):
                 self._warn.warning("lookup", "tierkv refused a lookup: %s", found)
                 found = None
+            if found is not None and found.region and found.region != self.spares.region:
+                self.spares.drop_all()  # another region: the broker restarted, they are void
+                self.spares.region = found.region
             answers = read_answers(chain, found, keymap, until)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)

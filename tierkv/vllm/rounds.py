@@ -127,9 +127,9 @@ class Rounds:
         """Reserve spare rows in `batch` (renewals and the demand's new ones), and
         let go of those beyond the demand."""
         spares = self.spares
-        surplus = spares.surplus()
-        if surplus:
-            self.holdings.commit(surplus, False)
+        let_go = spares.surplus() + spares.take_stale()
+        if let_go:
+            self.holdings.commit(let_go, False)
         keys, new = spares.to_reserve(spares.now())
         if keys:
             carried.spares, carried.new_spares, carried.spares_slot = keys, new, len(batch)

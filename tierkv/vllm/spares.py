@@ -13,8 +13,10 @@ How many: twice the most rows a step took lately (`SpareRows.wanted`), within
 `most`; the refill rides the step's end-of-step round trip. Spares kept unused for
 `RENEW_S` are reserved again (which renews them: the broker withdraws a reservation
 left past `broker.reservation_s`, 60 s by default, and a spare written after that is
-freed at its commit, not stored). A broker that restarted (another region) voids
-them all. The broker counts spares against the engine's share like any reservation.
+freed at its commit, not stored); an engine idle so long that its spares went
+`STALE_S` without renewal lets them go instead of writing into them. A broker that
+restarted (another region) voids them all. The broker counts spares against the
+engine's share like any reservation.
 
 Runs on the scheduler thread, under the manager's lock.
 """
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 RENEW_S = 20.0  # well inside the broker's default reservation deadline (60 s)
+STALE_S = 40.0  # not renewed this long: perhaps withdrawn, never used
 REFUSED_S = 1.0  # the broker gave no rows: ask again after this long
 DECAY_STEPS = 200  # steps after which the demand seen falls by half
 PREFIX = b"\xffspare"  # no namespace starts so (they are hashes; the odds are 2^-48)
@@ -45,7 +48,8 @@ class SpareRows:
     def __init__(self, most: int) -> None:
         self.most = most
         self.region = ""
-        self._free: dict[bytes, Spare] = {}  # by key, oldest first
+        self._free: dict[bytes, Spare] = {}  # by key, oldest (least renewed) first
+        self._stale: list[bytes] = []  # to let go of
         self._asked = 0  # rows asked for in a round trip not answered yet
         self._peak = 0.0  # the most rows a step took lately, decaying
         self._taken = 0  # rows taken this step
@@ -58,12 +62,25 @@ class SpareRows:
         return len(self._free)
 
     def take(self, n: int) -> list[Spare] | None:
-        """`n` spares for one store job, or None if there are not so many."""
+        """`n` spares for one store job, or None if there are not so many. Spares
+        not renewed for `STALE_S` (an engine idle that long renews nothing) may have
+        been withdrawn by the broker: they are let go of (`take_stale`), not used."""
         self._taken += n  # the demand, whether served here or not
-        if n > len(self._free) or n == 0:
+        free = self._free
+        now = self.now()
+        while free:
+            oldest = next(iter(free.values()))
+            if now - oldest.since <= STALE_S:
+                break
+            self._stale.append(free.pop(oldest.key).key)
+        if n > len(free) or n == 0:
             return None
         keys = list(itertools.islice(self._free, n))
         return [self._free.pop(k) for k in keys]
+
+    def take_stale(self) -> list[bytes]:
+        stale, self._stale = self._stale, []
+        return stale
 
     def step_ended(self) -> None:
         """Count the step's takings into the demand."""
@@ -78,13 +95,14 @@ class SpareRows:
         if self._asked:
             return False
         wanted = min(self.most, int(2 * self._peak))
-        return len(self._free) < wanted // 2 or any(
+        return len(self._free) < wanted // 2 or bool(self._stale) or any(
             self.now() - s.since > RENEW_S for s in itertools.islice(self._free.values(), 1))
 
     def to_reserve(self, now: float) -> tuple[list[bytes], int]:
         """Keys to reserve in the next round trip: spares due for renewal, then new
         ones up to the demand; and how many of them are new."""
-        renew = [k for k, s in self._free.items() if now - s.since > RENEW_S]
+        renew = [s.key for s in itertools.takewhile(lambda s: now - s.since > RENEW_S,
+                                                     self._free.values())]
         if now < self._refused_until:
             return renew, 0
         wanted = min(self.most, int(2 * self._peak)) - len(self._free) - self._asked
@@ -113,9 +131,10 @@ class SpareRows:
             self.region = region
         renewed, fresh = keys[:len(keys) - new], keys[len(keys) - new:]
         for key in renewed:  # a spare taken meanwhile is a store's now: nothing to do
-            spare = self._free.get(key)
-            if spare is not None and rows is not None:
+            spare = self._free.pop(key, None) if rows is not None else None
+            if spare is not None:  # to the end: the free spares stay oldest first
                 spare.since = now
+                self._free[key] = spare
         got = 0
         for key, row in zip(fresh, rows[len(renewed):], strict=True) if rows else ():
             if row >= 0:  # -1: not admitted (a node with a reuse filter)
