@@ -390,10 +390,7 @@ class Client:
         self._keep_alive()
         with self._lock:
             self._last_sent = time.monotonic()
-            if self._sock is None:
-                self._connect()
-            sock = self._sock
-            assert sock is not None
+            sock = self._socket()
             payload = encode(msg)
             try:
                 sock.send(payload, flags=zmq.NOBLOCK)
@@ -409,10 +406,7 @@ class Client:
         """Wait up to `timeout` for the connection to the broker (a `post` made before
         it is up fails rather than wait)."""
         with self._lock:
-            if self._sock is None:
-                self._connect()
-            assert self._sock is not None
-            return bool(self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLOUT))
+            return bool(self._socket().poll(max(0, int(timeout * 1000)), zmq.POLLOUT))
 
     def collect(self, request_id: int, timeout: float = 0.0) -> Reply | None:
         """The reply to a `post`ed request, if it is there within `timeout` seconds
@@ -441,6 +435,13 @@ class Client:
             self._replies.clear()
             self._connect()
 
+    def _socket(self) -> zmq.Socket:
+        """The socket, made again if a failed call dropped it."""
+        if self._sock is None:
+            self._connect()
+        assert self._sock is not None
+        return self._sock
+
     def _keep_alive(self) -> None:
         if self._pinger is None or self._closed.is_set():  # first call, or used after close
             self._closed.clear()
@@ -449,10 +450,7 @@ class Client:
             self._pinger.start()
 
     def _exchange(self, msg: Message, timeout: float) -> Reply:
-        if self._sock is None:
-            self._connect()
-        sock = self._sock
-        assert sock is not None
+        sock = self._socket()
         deadline = time.monotonic() + timeout
         payload = encode(msg)
         request_id = msg.id  # type: ignore[attr-defined]
@@ -486,9 +484,9 @@ class Client:
                 "running? `tierkv status -c FILE` says)")
 
     def _give_up(self, timeout: float) -> None:
-        self._posted.clear()  # their replies are lost with the socket
-        self._replies.clear()
-        self._connect()  # drop whatever is queued; a restarted broker is found again
+        # Drop whatever is queued (posted requests' replies with it); a restarted
+        # broker is found again.
+        self.forget_posted()
         raise BrokerUnavailable(
             f"no broker reply from {self.address} within {timeout:.1f}s (client.timeout_s)"
         )

@@ -112,11 +112,6 @@ class BrokerLink:
         self._out.append(call)
         return call
 
-    @property
-    def busy(self) -> bool:
-        """A call is out (a new one is answered after it)."""
-        return bool(self._out)
-
     def stalled(self, seconds: float) -> bool:
         """The oldest call out has been out longer than `seconds`."""
         return bool(self._out) and time.monotonic() - self._out[0].sent_at > seconds

@@ -75,8 +75,7 @@ class SpareRows:
             self._stale.append(free.pop(oldest.key).key)
         if n > len(free) or n == 0:
             return None
-        keys = list(itertools.islice(self._free, n))
-        return [self._free.pop(k) for k in keys]
+        return [free.pop(k) for k in list(itertools.islice(free, n))]
 
     def take_stale(self) -> list[bytes]:
         stale, self._stale = self._stale, []
@@ -90,13 +89,19 @@ class SpareRows:
         self._peak = max(self._peak, float(self._taken))
         self._taken = 0
 
+    @property
+    def _wanted(self) -> int:
+        """Spares to hold: twice the most a step took lately, within `most`."""
+        return min(self.most, int(2 * self._peak))
+
     def short(self) -> bool:
-        """Fewer spares than the demand (or some due for renewal): worth a round trip."""
+        """Fewer spares than the demand (or some due for renewal, or to let go of):
+        worth a round trip."""
         if self._asked:
             return False
-        wanted = min(self.most, int(2 * self._peak))
-        return len(self._free) < wanted // 2 or bool(self._stale) or any(
-            self.now() - s.since > RENEW_S for s in itertools.islice(self._free.values(), 1))
+        oldest = next(iter(self._free.values()), None)
+        return (len(self._free) < self._wanted // 2 or bool(self._stale)
+                or (oldest is not None and self.now() - oldest.since > RENEW_S))
 
     def to_reserve(self, now: float) -> tuple[list[bytes], int]:
         """Keys to reserve in the next round trip: spares due for renewal, then new
@@ -105,7 +110,7 @@ class SpareRows:
                                                      self._free.values())]
         if now < self._refused_until:
             return renew, 0
-        wanted = min(self.most, int(2 * self._peak)) - len(self._free) - self._asked
+        wanted = self._wanted - len(self._free) - self._asked
         new = [self._prefix + next(self._serial).to_bytes(8, "big")
                for _ in range(max(0, wanted))]
         self._asked += len(new)
@@ -113,7 +118,7 @@ class SpareRows:
 
     def surplus(self) -> list[bytes]:
         """Spares beyond the demand, to let go of (the node's rows are shared)."""
-        extra = len(self._free) + self._asked - max(min(self.most, int(2 * self._peak)), 0)
+        extra = len(self._free) + self._asked - self._wanted
         if extra <= len(self._free) // 4 or extra <= 0:
             return []  # not worth a round trip's work yet
         keys = list(itertools.islice(self._free, extra))
