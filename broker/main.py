@@ -33,6 +33,7 @@ from tierkv.node.children import tier_secret
 from tierkv.node.config import Config, ConfigError, tier_name
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
 from tierkv.node.process import process_parser, start_process
+from tierkv.node.realtime import enter_realtime
 from tierkv.wire.protocol import (
     CLIENT_OPS,
     TIER_OPS,
@@ -117,6 +118,7 @@ class BrokerProc:
             self.metrics = BrokerMetrics(config.broker.metrics_port) \
                 if config.broker.metrics_port else None
             self._open_sockets()
+            enter_realtime(config.broker.realtime_priority, "broker")
         except BaseException:
             self._close_sockets()
             metrics = getattr(self, "metrics", None)

@@ -45,6 +45,7 @@ import zmq
 
 from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
+from tierkv.node.realtime import WaitBoost, check_priority, lifted_new_threads
 from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
     KEY_SECTIONS,
@@ -151,7 +152,8 @@ class Client:
     idle, a background thread pings every `ping_s` so that silence means gone."""
 
     def __init__(self, address: str, timeout: float = 10.0,
-                 curve: CurveClientKeys | None = None, ping_s: float = PING_S) -> None:
+                 curve: CurveClientKeys | None = None, ping_s: float = PING_S,
+                 realtime_priority: int = 0) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if ping_s <= 0:
@@ -160,7 +162,15 @@ class Client:
         self.timeout = timeout
         self.curve = curve
         self.ping_s = ping_s
-        self._ctx: zmq.Context = zmq.Context.instance()
+        why = check_priority(realtime_priority)
+        if why is not None:
+            raise ValueError(f"realtime_priority {why}")
+        # The thread waiting for an answer is woken ahead of a busy host's other work,
+        # and so is the I/O thread that hands it the answer: that of a context of this
+        # client's own (`_context`).
+        self._waiting = WaitBoost(realtime_priority)
+        self._own_context = bool(realtime_priority)
+        self._ctx: zmq.Context | None = None if realtime_priority else zmq.Context.instance()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         # The broker knows this client by its routing id: kept when the socket is
@@ -186,7 +196,8 @@ class Client:
             config = load_config(config)
         return cls(config.connect_address("client"), timeout=config.client.timeout_s,
                    curve=config.client.curve_keys(),
-                   ping_s=min(PING_S, config.broker.owner_timeout_s / 4))
+                   ping_s=min(PING_S, config.broker.owner_timeout_s / 4),
+                   realtime_priority=config.client.realtime_priority)
 
     def use_kv(self, tokens: dict[int, str]) -> None:
         """Store from and load into KV caches another client registered: the tokens
@@ -322,6 +333,9 @@ class Client:
                 except zmq.ZMQError:
                     self._sock.close(linger=0)
                 self._sock = None
+            if self._own_context and self._ctx is not None:
+                self._ctx.term()  # its own; a call after close makes another
+                self._ctx = None
 
     def _drop_socket(self) -> None:
         if self._sock is not None:
@@ -362,7 +376,13 @@ class Client:
 
     def _connect(self) -> None:
         self._drop_socket()
-        sock = make_socket(self._ctx, zmq.DEALER, identity=self._routing_id)
+        if self._ctx is None:
+            own = zmq.Context(io_threads=1)
+            with lifted_new_threads(self._waiting.priority, "client"):
+                sock = make_socket(own, zmq.DEALER, identity=self._routing_id)  # starts them
+            self._ctx = own
+        else:
+            sock = make_socket(self._ctx, zmq.DEALER, identity=self._routing_id)
         # Messages are not queued for a broker that is not there.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.curve is not None:
@@ -379,7 +399,7 @@ class Client:
 
     def _roundtrip(self, msg: Message, timeout: float) -> Reply:
         self._keep_alive()
-        with self._lock:
+        with self._waiting, self._lock:
             self._last_sent = time.monotonic()
             return self._exchange(msg, timeout)
 
@@ -417,7 +437,7 @@ class Client:
             deadline = time.monotonic() + timeout
             while reply is None and sock is not None:
                 if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN and (
-                        timeout <= 0 or not sock.poll(max(1, _ms_left(deadline)), zmq.POLLIN)):
+                        timeout <= 0 or not self._poll_in(sock, deadline)):
                     return None
                 got = decode(sock.recv(flags=zmq.NOBLOCK))
                 if isinstance(got, Reply) and got.id == request_id:
@@ -426,6 +446,10 @@ class Client:
                     self._replies[got.id] = got
             self._posted.discard(request_id)
             return reply
+
+    def _poll_in(self, sock: zmq.Socket, deadline: float) -> bool:
+        with self._waiting:
+            return bool(sock.poll(max(1, _ms_left(deadline)), zmq.POLLIN))
 
     def forget_posted(self) -> None:
         """Give up every posted request: the socket is made anew (what is queued on it

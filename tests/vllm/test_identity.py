@@ -126,6 +126,7 @@ def test_without_tierkvs_connector_the_engine_is_told_what_to_set():
     ("max_lookup_keys", 0, "max_lookup_keys=0"),
     ("spare_rows", -1, "spare_rows=-1"),
     ("prefetch_requests", "many", "prefetch_requests must be a number, got 'many'"),
+    ("realtime_priority", 100, r"realtime_priority must be an integer 0\.\.99"),
 ])
 def test_a_bad_option_is_refused_naming_it(key, value, error):
     from tierkv.vllm.spec import TierkvOffloadingSpec

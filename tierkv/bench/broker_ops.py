@@ -69,7 +69,7 @@ def timed(fn: Callable[[], Any], rounds: int) -> list[float]:
 
 
 def node_config(instance: str, run_dir: Path, blocks: int, page: int,
-                policy: str | None = None) -> Config:
+                policy: str | None = None, realtime: int = 0) -> Config:
     cpu: dict[str, Any] = {"num_blocks": max(blocks, REQUESTS_PER_STEP * 2), "page_size": page}
     if policy is not None:
         cpu["policy"] = policy
@@ -77,8 +77,8 @@ def node_config(instance: str, run_dir: Path, blocks: int, page: int,
         "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
         "cpu": cpu,
         "worker": {"device": "cpu"},
-        "broker": {"job_timeout_s": 120.0, "heartbeat_s": 1.0},
-        "client": {"timeout_s": 120.0},
+        "broker": {"job_timeout_s": 120.0, "heartbeat_s": 1.0, "realtime_priority": realtime},
+        "client": {"timeout_s": 120.0, "realtime_priority": realtime},
     }, "<bench>")
 
 
@@ -91,14 +91,15 @@ def layout_for(page: int, blocks: int) -> KVLayout:
 
 @contextmanager
 def bench_node(blocks: int, page: int, kv_blocks: int | None = None,
-               policy: str | None = None) -> Iterator[tuple[Client, KVCache]]:
+               policy: str | None = None, realtime: int = 0) -> Iterator[tuple[Client, KVCache]]:
     """A node (broker + CPU worker) of at least `blocks` blocks of `page` bytes
-    (under `policy`, default the config's),
+    (under `policy`, default the config's; broker and client at `realtime_priority`
+    `realtime`),
     with a CPU KV cache of `kv_blocks` (default `blocks`) blocks registered for
     rank 0; stopped and removed on exit."""
     instance = f"bench{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory() as tmp:
-        config = node_config(instance, Path(tmp), blocks, page, policy)
+        config = node_config(instance, Path(tmp), blocks, page, policy, realtime)
         node = Node(config)
         node.start()
         try:
@@ -122,10 +123,7 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     miss at the first key (`step_miss`) or hit all 64 (`step_hit`), each on the
     broker and on an in-process manager holding the same blocks. The `rounds` are
     split into `repeats`, broker and in-process back to back in each."""
-    # A stored prefix so lookups walk real hits (64 keys, all in the CPU tier).
-    hot = [key(i) for i in range(KEYS_PER_REQUEST)]
-    store = client.store(hot, list(range(KEYS_PER_REQUEST)))
-    _wait(client, {store.job_id})
+    hot = store_hot(client)
     # The node's default policy on both sides (what a user of either gets).
     manager = TieringManager(PrimaryTier(4096, CpuConfig().policy))
     out = manager.prepare_store(hot)
@@ -188,13 +186,28 @@ def control_plane(client: Client, rounds: int, repeats: int = 1) -> dict[str, Ru
     return results
 
 
+def store_hot(client: Client) -> list[bytes]:
+    """A stored prefix, so that lookups walk real hits (64 keys, all in the CPU tier)."""
+    hot = [key(i) for i in range(KEYS_PER_REQUEST)]
+    store = client.store(hot, list(range(KEYS_PER_REQUEST)))
+    _wait(client, {store.job_id})
+    return hot
+
+
+# A busy process of the host: in the normal class whatever its parent's (the bench's
+# thread may be in SCHED_RR while it waits for the broker).
+HOG = ("import os\n"
+       "os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))\n"
+       "while True: pass")
+
+
 def loaded_tail(client: Client, rounds: int, hogs: int) -> tuple[list[float], list[float]]:
-    """A 64-key lookup's round trips, on a quiet machine and then with `hogs` busy
-    processes beside it (each a Python loop that never sleeps): the tail a loaded
-    engine host gives the control plane."""
+    """A 64-key lookup's round trips (of the keys `store_hot` stored), on a quiet
+    machine and then with `hogs` busy processes beside it (each a Python loop that
+    never sleeps): the tail a loaded engine host gives the control plane."""
     hot = [key(i) for i in range(KEYS_PER_REQUEST)]
     quiet = timed(lambda: client.lookup(hot, "tail"), rounds)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    busy = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
     try:
         time.sleep(0.2)  # let them take their share
         loaded = timed(lambda: client.lookup(hot, "tail"), rounds)

@@ -6,13 +6,17 @@ share of that ideal the service keeps after ZeroMQ, msgpack and a process hop.
 Measured by `tierkv/bench/broker_ops.py`'s `control_plane`: a lookup of 64 resident
 keys, and one engine step of 256 requests x 64 keys in one batched round trip,
 once with every key a hit (each lookup walks all 64 keys) and once missing at the
-first key (the per-request overhead alone).
+first key (the per-request overhead alone). Then a lookup's tail: p99 against p50,
+quiet and with twice the cores busy, with the node's default scheduling and with
+broker and client at `realtime_priority` 1 (`tierkv.node.realtime`).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
@@ -21,6 +25,19 @@ from tierkv.bench.common import Options, Part, Row, Stat, ratio
 PAGE = 16 * 1024
 TAIL_GOAL = 3.0
 BLOCKS = 512
+REALTIME = 1  # the lowest SCHED_RR priority: above every normal thread, below the rest
+
+
+@contextmanager
+def calling_thread_realtime() -> Iterator[None]:
+    """The bench's thread in SCHED_RR throughout (as `chrt -r 1` would start an engine),
+    not only while it waits: it is not then put back behind the busy processes each
+    time an answer came."""
+    os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(REALTIME))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def run(part: Part, opts: Options) -> None:
@@ -31,7 +48,9 @@ def run(part: Part, opts: Options) -> None:
         control_plane,
         loaded_tail,
         percentiles,
+        store_hot,
     )
+    from tierkv.node.realtime import allowed
 
     repeats = opts.pick(2, 5)
     rounds = 100 if opts.quick else 2000
@@ -39,6 +58,18 @@ def run(part: Part, opts: Options) -> None:
     with bench_node(BLOCKS, PAGE) as (client, _kv):
         runs = control_plane(client, rounds, repeats)
         quiet, loaded = loaded_tail(client, rounds, hogs)
+    tails = {"quiet": quiet, f"{hogs} busy processes (2x the cores)": loaded}
+    if allowed(REALTIME):
+        with bench_node(BLOCKS, PAGE, realtime=REALTIME) as (client, _kv):
+            store_hot(client)
+            _, lifted = loaded_tail(client, rounds, hogs)
+            tails[f"{hogs} busy, realtime_priority {REALTIME}"] = lifted
+            with calling_thread_realtime():
+                _, lifted = loaded_tail(client, rounds, hogs)
+            tails[f"{hogs} busy, realtime_priority {REALTIME}, caller in SCHED_RR"] = lifted
+    else:
+        part.note(f"no realtime_priority row: this process may not use SCHED_RR "
+                  f"(CAP_SYS_NICE or `ulimit -r {REALTIME}`)")
     step = f"step {REQUESTS_PER_STEP} req x {KEYS_PER_REQUEST} keys"
     labels = {
         "lookup": (f"lookup {KEYS_PER_REQUEST} keys, round trip", "us", 1e6, False),
@@ -63,7 +94,7 @@ def run(part: Part, opts: Options) -> None:
     part.add(Row("control", "keys through lookup, batched step of hits", Stat.of(remote),
                  "M keys/s", "in-process TieringManager", ratio(remote, local),
                  Stat.of(local), headline=False))
-    for label, samples in (("quiet", quiet), (f"{hogs} busy processes (2x the cores)", loaded)):
+    for label, samples in tails.items():
         p50, p99 = percentiles(samples)
         part.add(Row("control", f"lookup {KEYS_PER_REQUEST} keys, p99 / p50, {label}",
                      Stat.one(p99 / p50), "x", "its own p50", None,

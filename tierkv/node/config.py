@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.core.policies import known_policies
+from tierkv.node.realtime import check_priority
 from tierkv.tiers.registry import TierOptionError, check_tier_entry
 from tierkv.wire.sockets import CurveClientKeys, is_loopback
 
@@ -94,6 +95,10 @@ class BrokerConfig:
                        "again renews it")
     owner_share: float = doc(0.5, "the share of cpu.num_blocks one client may hold reserved "
                              "and pinned at once (0..1]")
+    realtime_priority: int = doc(0, "SCHED_RR priority (1..99) of the broker's threads, so "
+                                 "that its answers do not wait behind a busy host's other "
+                                 "work; needs CAP_SYS_NICE or `ulimit -r` of at least it "
+                                 "(else a warning and normal scheduling); 0: normal")
     tier_secret_file: str = doc("", "the secret a tier process started outside the supervisor "
                                 "proves in its hello (mode 0600); empty: tier.secret in the "
                                 "run directory, made by the broker")
@@ -121,6 +126,9 @@ class ClientConfig:
     """Clients of the broker: engines, and the workers and tiers themselves."""
 
     timeout_s: float = doc(10.0, "every client call waits at most this long")
+    realtime_priority: int = doc(0, "SCHED_RR priority (1..99) of a thread while it waits for "
+                                 "the broker's answer (only then); with the broker's own, "
+                                 "keeps the round trip's tail short on a busy host; 0: off")
     curve_secret_file: str = doc("", "CurveZMQ: this side's secret key file")
     curve_server_public_file: str = doc("", "CurveZMQ: the broker's public key file (both "
                                         "are needed when the broker has curve on)")
@@ -329,6 +337,10 @@ def _check(c: Config) -> None:
         fail("worker.device", f"must be auto, cpu or cuda, got {c.worker.device!r}")
     if c.client.timeout_s <= 0:
         fail("client.timeout_s", "must be positive")
+    for side in ("broker", "client"):
+        why = check_priority(getattr(c, side).realtime_priority)
+        if why is not None:
+            fail(f"{side}.realtime_priority", why)
     if c.supervisor.broker_probe_s < 0:
         fail("supervisor.broker_probe_s", "must be >= 0 (0: no probes)")
     if c.supervisor.broker_probe_misses < 1:

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tierkv.client import Client
 from tierkv.core.shm import SharedRegion
 from tierkv.node.config import load_config, tier_name
+from tierkv.node.realtime import check_priority
 from tierkv.vllm.identity import EngineIdentity, current_vllm_facts
 from tierkv.vllm.layout import check_node
 from tierkv.vllm.manager import ManagerOptions, Metrics, TierkvOffloadingManager
@@ -98,15 +99,22 @@ class TierkvOffloadingSpec(OffloadingSpec):
             self.address = node.connect_address("client")
             self.curve = node.client.curve_keys()
             self.tiers = [(tier_name(t), str(t.get("type", ""))) for t in node.tiers]
+            realtime = node.client.realtime_priority
         elif "tierkv_instance" in extra and "tierkv_address" in extra:
             self.instance = str(extra["tierkv_instance"])
             self.address = str(extra["tierkv_address"])
             self.curve = None
             self.tiers = []
+            realtime = 0
         else:
             raise ValueError("kv_connector_extra_config needs 'tierkv_config' (the tierkv "
                              "node's config file) or 'tierkv_instance' and 'tierkv_address'")
         self.timeout_s = _option(extra, "timeout_s", 2.0)
+        # The scheduler thread is lifted into SCHED_RR only while it waits for the broker.
+        self.realtime_priority = int(_option(extra, "realtime_priority", realtime))
+        why = check_priority(self.realtime_priority)
+        if why is not None:
+            raise ValueError(f"kv_connector_extra_config: realtime_priority {why}")
         self.options = ManagerOptions(
             budget_ms=_option(extra, "budget_ms", 20.0),
             retry_s=_option(extra, "retry_s", 5.0),
@@ -155,7 +163,8 @@ class TierkvOffloadingSpec(OffloadingSpec):
                 require_request_keys("tierkv.vllm's sync_lookups", "set sync_lookups to 0 "
                                      "in kv_connector_extra_config")
             cpu_rows = self._check_node()
-            client = Client(self.address, timeout=self.timeout_s, curve=self.curve)
+            client = Client(self.address, timeout=self.timeout_s, curve=self.curve,
+                            realtime_priority=self.realtime_priority)
             groups = self.config.groups
             # Spare rows are the node's, shared with every engine: an eighth at most.
             options = replace(self.options, spare_rows=min(self.options.spare_rows,

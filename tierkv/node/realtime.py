@@ -1,0 +1,157 @@
+"""The control plane's answers ahead of a busy host's other work (`realtime_priority`).
+
+On a host whose cores are all busy (an engine's tokenizers, a data loader), the
+fair scheduler puts a woken thread behind running ones for up to a few of their
+time slices: a 0.15 ms lookup round trip then takes 5 to 8 ms at its 99th
+percentile. Nice values do not help under EEVDF. The real-time class does: a round
+trip wakes the broker's threads and then the thread waiting in the client, and
+with both in SCHED_RR the tail stays within 2 to 3x the median
+(`tierkv bench control`).
+
+The broker puts all of its threads in the class for its whole life (they sleep
+unless a message came). A client lifts only the thread that waits for the broker,
+and only while it waits, so an engine's own work never runs above the host's.
+Both set SCHED_RESET_ON_FORK: nothing they start inherits the class. A process
+not allowed the class (it needs CAP_SYS_NICE or an `RLIMIT_RTPRIO`, `ulimit -r`,
+of at least the priority) says so once and runs as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+MAX_PRIORITY = 99
+_RT_POLICIES = (os.SCHED_FIFO, os.SCHED_RR)
+
+
+def check_priority(priority: int) -> str | None:
+    """Why `priority` is not a valid setting, or None."""
+    if isinstance(priority, bool) or not isinstance(priority, int) \
+            or not 0 <= priority <= MAX_PRIORITY:
+        return f"must be an integer 0..{MAX_PRIORITY} (0: normal scheduling), got {priority!r}"
+    return None
+
+
+_SAID: set[str] = set()  # who was refused: said once per process
+
+
+def _refused(who: str, priority: int, error: OSError) -> None:
+    if who in _SAID:
+        return
+    _SAID.add(who)
+    log.warning("%s: realtime_priority %d asked, but this process may not use SCHED_RR "
+                "(%s; it needs CAP_SYS_NICE or `ulimit -r` of at least %d): normal "
+                "scheduling", who, priority, error.strerror, priority)
+
+
+def enter_realtime(priority: int, who: str) -> bool:
+    """Put every thread of this process (libzmq's I/O threads with them) in SCHED_RR
+    at `priority` (0: leave them); threads started later are not (reset-on-fork
+    reaches threads too). False, logged once, where the process may not."""
+    if priority <= 0:
+        return False
+    param = os.sched_param(priority)
+    try:
+        for tid in sorted(_threads()):
+            try:
+                os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+    except OSError as e:
+        _refused(who, priority, e)
+        return False
+    return True
+
+
+@contextmanager
+def lifted_new_threads(priority: int, who: str) -> Iterator[None]:
+    """The threads the block starts go to SCHED_RR at `priority`: for a block that
+    makes a new libzmq context's first socket, which starts its I/O and reaper
+    threads (a thread started from one with the reset-on-fork flag does not
+    inherit the class, and they are not named yet when the block ends)."""
+    before = _threads() if priority > 0 else set()
+    yield
+    if priority <= 0:
+        return
+    param = os.sched_param(priority)
+    for tid in sorted(_threads() - before):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
+        except ProcessLookupError:  # ended meanwhile
+            continue
+        except OSError as e:
+            _refused(who, priority, e)
+            return
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+class WaitBoost:
+    """`with boost:` around a wait for the broker: the waiting thread is in SCHED_RR
+    at `priority` for the wait and back in its own class after. A thread already in a
+    real-time class is left as it is. Costs two system calls a wait; nothing at 0."""
+
+    def __init__(self, priority: int, who: str = "client") -> None:
+        self.priority = priority
+        self.who = who
+        self._param = os.sched_param(priority)
+        self._lifted = threading.local()
+
+    def __enter__(self) -> None:
+        lifted = self._stack()
+        if self.priority <= 0:
+            lifted.append(None)
+            return
+        policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+        if policy in _RT_POLICIES:  # already there (lifted by an outer wait, or its own)
+            lifted.append(None)
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, self._param)
+        except OSError as e:
+            _refused(self.who, self.priority, e)
+            self.priority = 0
+            lifted.append(None)
+            return
+        lifted.append(policy)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        policy = self._stack().pop()
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+
+    def _stack(self) -> list[int | None]:
+        """Per thread, per open wait: the class to go back to (None: nothing to undo)."""
+        stack: list[int | None] | None = getattr(self._lifted, "stack", None)
+        if stack is None:
+            stack = self._lifted.stack = []
+        return stack
+
+
+def allowed(priority: int) -> bool:
+    """Whether this process may put a thread in SCHED_RR at `priority` (tried on a
+    thread of its own that ends at once)."""
+    result: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK,
+                                  os.sched_param(priority))
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=attempt, name="tierkv-realtime-probe")
+    thread.start()
+    thread.join(5.0)
+    return bool(result and result[0])
