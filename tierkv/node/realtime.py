@@ -1,19 +1,22 @@
 """The control plane's answers ahead of a busy host's other work (`realtime_priority`).
 
 On a host whose cores are all busy (an engine's tokenizers, a data loader), the
-fair scheduler puts a woken thread behind running ones for up to a few of their
-time slices: a 0.15 ms lookup round trip then takes 5 to 8 ms at its 99th
-percentile. Nice values do not help under EEVDF. The real-time class does: a round
-trip wakes the broker's threads and then the thread waiting in the client, and
-with both in SCHED_RR the tail stays within 2 to 3x the median
-(`tierkv bench control`).
+fair scheduler may put each thread a round trip wakes (the client's libzmq I/O
+thread, the broker's, the broker's loop, the waiting caller) behind running
+processes for a time slice: with 4 busy processes on 2 cores a 0.15 ms lookup had
+a p99 of 5 to 8 ms. Nice values barely help under EEVDF (-15 on every thread: p99
+still 6 to 16x p50); the real-time class does.
 
 The broker puts all of its threads in the class for its whole life (they sleep
-unless a message came). A client lifts only the thread that waits for the broker,
-and only while it waits, so an engine's own work never runs above the host's.
-Both set SCHED_RESET_ON_FORK: nothing they start inherits the class. A process
-not allowed the class (it needs CAP_SYS_NICE or an `RLIMIT_RTPRIO`, `ulimit -r`,
-of at least the priority) says so once and runs as before.
+until a message comes). A client gives its socket a libzmq context of its own,
+whose threads are in the class, and lifts the calling thread only while it waits,
+so an engine's own work never runs above the host's. Going back to its class, the
+caller may then wait for the busy processes' turn (p99 15x p50 in `tierkv bench
+control`); an engine whose thread is in the class throughout (`chrt -r 1`) is left
+as it is, and gets 2 to 3x. Every change sets SCHED_RESET_ON_FORK: nothing started
+from a lifted thread inherits the class. A process not allowed the class (it needs
+CAP_SYS_NICE or an `RLIMIT_RTPRIO`, `ulimit -r`, of at least the priority) says so
+once and runs as before.
 """
 
 from __future__ import annotations
