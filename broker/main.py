@@ -33,7 +33,7 @@ from tierkv.node.children import tier_secret
 from tierkv.node.config import Config, ConfigError, tier_name
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
 from tierkv.node.process import process_parser, start_process
-from tierkv.node.realtime import enter_realtime
+from tierkv.node.realtime import enter_realtime, lift_context
 from tierkv.wire.protocol import (
     CLIENT_OPS,
     TIER_OPS,
@@ -130,6 +130,7 @@ class BrokerProc:
 
     def _open_sockets(self) -> None:
         self.ctx: zmq.Context = zmq.Context.instance()
+        lift_context(self.ctx, self.config.broker.realtime_priority, "broker")
         self.addresses = {link: self.config.address(link) for link in ("client", "worker", "tier")}
         secret = self.config.broker.curve_secret_file
         self.auth = start_authenticator(self.ctx, self.config.broker.curve_authorized_dir) \

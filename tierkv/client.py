@@ -45,7 +45,7 @@ import zmq
 
 from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
-from tierkv.node.realtime import WaitBoost, check_priority, lifted_new_threads
+from tierkv.node.realtime import WaitBoost, check_priority, lift_context
 from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
 from tierkv.wire.protocol import (
     KEY_SECTIONS,
@@ -167,7 +167,7 @@ class Client:
             raise ValueError(f"realtime_priority {why}")
         # The thread waiting for an answer is woken ahead of a busy host's other work,
         # and so is the I/O thread that hands it the answer: that of a context of this
-        # client's own (`_context`).
+        # client's own (made in `_connect`).
         self._waiting = WaitBoost(realtime_priority)
         self._own_context = bool(realtime_priority)
         self._ctx: zmq.Context | None = None if realtime_priority else zmq.Context.instance()
@@ -377,12 +377,9 @@ class Client:
     def _connect(self) -> None:
         self._drop_socket()
         if self._ctx is None:
-            own = zmq.Context(io_threads=1)
-            with lifted_new_threads(self._waiting.priority, "client"):
-                sock = make_socket(own, zmq.DEALER, identity=self._routing_id)  # starts them
-            self._ctx = own
-        else:
-            sock = make_socket(self._ctx, zmq.DEALER, identity=self._routing_id)
+            self._ctx = zmq.Context(io_threads=1)
+            lift_context(self._ctx, self._waiting.priority, "client")
+        sock = make_socket(self._ctx, zmq.DEALER, identity=self._routing_id)
         # Messages are not queued for a broker that is not there.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.curve is not None:
@@ -399,9 +396,11 @@ class Client:
 
     def _roundtrip(self, msg: Message, timeout: float) -> Reply:
         self._keep_alive()
-        with self._waiting, self._lock:
-            self._last_sent = time.monotonic()
-            return self._exchange(msg, timeout)
+        with self._lock:
+            self._socket()  # made (a context's threads started) before the lift: see WaitBoost
+            with self._waiting:
+                self._last_sent = time.monotonic()
+                return self._exchange(msg, timeout)
 
     def post(self, msg: Message, wait_s: float = 0.0) -> None:
         """Send `msg` and return: `collect` takes its reply. For a caller that must not

@@ -21,12 +21,13 @@ once and runs as before.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import TracebackType
+
+import zmq
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,18 @@ def _refused(who: str, priority: int, error: OSError) -> None:
 
 
 def enter_realtime(priority: int, who: str) -> bool:
-    """Put every thread of this process (libzmq's I/O threads with them) in SCHED_RR
-    at `priority` (0: leave them); threads started later are not (reset-on-fork
-    reaches threads too). False, logged once, where the process may not."""
+    """Put every thread of this process in SCHED_RR at `priority` (0: leave them),
+    but for those already in a real-time class (libzmq's, started so by
+    `lift_context`); threads started later are not (reset-on-fork reaches threads
+    too). False, logged once, where the process may not."""
     if priority <= 0:
         return False
     param = os.sched_param(priority)
     try:
         for tid in sorted(_threads()):
             try:
+                if os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK in _RT_POLICIES:
+                    continue
                 os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
             except ProcessLookupError:  # a thread that ended meanwhile
                 continue
@@ -73,25 +77,18 @@ def enter_realtime(priority: int, who: str) -> bool:
     return True
 
 
-@contextmanager
-def lifted_new_threads(priority: int, who: str) -> Iterator[None]:
-    """The threads the block starts go to SCHED_RR at `priority`: for a block that
-    makes a new libzmq context's first socket, which starts its I/O and reaper
-    threads (a thread started from one with the reset-on-fork flag does not
-    inherit the class, and they are not named yet when the block ends)."""
-    before = _threads() if priority > 0 else set()
-    yield
+def lift_context(ctx: zmq.Context, priority: int, who: str) -> bool:
+    """Have libzmq start `ctx`'s I/O and reaper threads in SCHED_RR at `priority`: set
+    before its first socket starts them. Only where the process may (libzmq aborts
+    when it cannot apply them); False, logged once, where not."""
     if priority <= 0:
-        return
-    param = os.sched_param(priority)
-    for tid in sorted(_threads() - before):
-        try:
-            os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
-        except ProcessLookupError:  # ended meanwhile
-            continue
-        except OSError as e:
-            _refused(who, priority, e)
-            return
+        return False
+    if not allowed(priority):
+        _refused(who, priority, PermissionError(errno.EPERM, os.strerror(errno.EPERM)))
+        return False
+    ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_RR)
+    ctx.set(zmq.THREAD_PRIORITY, priority)
+    return True
 
 
 def _threads() -> set[int]:
@@ -101,7 +98,10 @@ def _threads() -> set[int]:
 class WaitBoost:
     """`with boost:` around a wait for the broker: the waiting thread is in SCHED_RR
     at `priority` for the wait and back in its own class after. A thread already in a
-    real-time class is left as it is. Costs two system calls a wait; nothing at 0."""
+    real-time class is left as it is. Costs three system calls a wait; nothing at 0.
+    Start no thread inside: it would get the reset-on-fork class with the lifted
+    thread's priority as glibc records it, which libzmq's threads fail to apply
+    (an abort in `thread.cpp`)."""
 
     def __init__(self, priority: int, who: str = "client") -> None:
         self.priority = priority
