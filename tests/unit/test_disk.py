@@ -398,6 +398,14 @@ def test_config_entry_builds_the_disk_tier(tmp_path, opened):
 # -- data path -----------------------------------------------------------------------------
 
 
+def store_first(runner: JobRunner, region: SharedRegion, n: int) -> None:
+    """Blocks 0..n-1 of `region` filled with their payloads and submitted as store job
+    1 of keys 0..n-1."""
+    for b in range(n):
+        region.block(b)[:] = payload(b)
+    runner.submit(Job(1, tuple(key(b) for b in range(n)), tuple(range(n)), JobKind.STORE))
+
+
 def test_o_direct_moves_aligned_rows_and_buffered_the_rest(make, instance, caplog):
     caplog.set_level(logging.WARNING, logger="tierkv.disk")
     backend = make(slots=16, block_bytes=BLOCK, o_direct="auto")
@@ -406,9 +414,7 @@ def test_o_direct_moves_aligned_rows_and_buffered_the_rest(make, instance, caplo
     with SharedRegion.create(instance, num_blocks=8, page_size=BLOCK) as region:
         runner = JobRunner(backend, region, threads=4)
         try:
-            for b in range(4):
-                region.block(b)[:] = payload(b)
-            runner.submit(Job(1, tuple(key(b) for b in range(4)), (0, 1, 2, 3), JobKind.STORE))
+            store_first(runner, region, 4)
             assert runner.drain(30)
             runner.submit(Job(2, (key(0), key(3)), (4, 5), JobKind.PROMOTION))
             assert runner.drain(30)
@@ -475,10 +481,7 @@ def test_a_store_job_is_made_durable_with_one_flush_per_slab(make, monkeypatch, 
     with SharedRegion.create(instance, num_blocks=16, page_size=BLOCK) as region:
         runner = JobRunner(backend, region, threads=4)
         try:
-            for b in range(16):
-                region.block(b)[:] = payload(b)
-            runner.submit(Job(1, tuple(key(b) for b in range(16)), tuple(range(16)),
-                              JobKind.STORE))
+            store_first(runner, region, 16)
             assert runner.drain(30)
             (result,) = runner.take_finished()
         finally:
@@ -590,10 +593,7 @@ def test_a_job_moves_in_one_request_per_run_of_adjacent_slots(make, instance, mo
     with SharedRegion.create(instance, num_blocks=16, page_size=BLOCK) as region:
         runner = JobRunner(backend, region, threads=2)
         try:
-            for b in range(8):
-                region.block(b)[:] = payload(b)
-            runner.submit(Job(1, tuple(key(b) for b in range(8)), tuple(range(8)),
-                              JobKind.STORE))
+            store_first(runner, region, 8)
             assert runner.drain(30)
             runner.submit(Job(2, tuple(key(b) for b in range(8)), tuple(range(8, 16)),
                               JobKind.PROMOTION))

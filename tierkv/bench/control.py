@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
@@ -26,18 +24,6 @@ PAGE = 16 * 1024
 TAIL_GOAL = 3.0
 BLOCKS = 512
 REALTIME = 1  # the lowest SCHED_RR priority: above every normal thread, below the rest
-
-
-@contextmanager
-def calling_thread_realtime() -> Iterator[None]:
-    """The bench's thread in SCHED_RR throughout (as `chrt -r 1` would start an engine),
-    not only while it waits: it is not then put back behind the busy processes each
-    time an answer came."""
-    os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(REALTIME))
-    try:
-        yield
-    finally:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def run(part: Part, opts: Options) -> None:
@@ -50,7 +36,7 @@ def run(part: Part, opts: Options) -> None:
         percentiles,
         store_hot,
     )
-    from tierkv.node.realtime import allowed
+    from tierkv.node.realtime import WaitBoost, allowed
 
     repeats = opts.pick(2, 5)
     rounds = 100 if opts.quick else 2000
@@ -64,7 +50,10 @@ def run(part: Part, opts: Options) -> None:
             store_hot(client)
             _, lifted = loaded_tail(client, rounds, hogs)
             tails[f"{hogs} busy, realtime_priority {REALTIME}"] = lifted
-            with calling_thread_realtime():
+            # The bench's thread in SCHED_RR throughout (as `chrt -r 1` would start an
+            # engine), not only while it waits: not put back behind the busy processes
+            # each time an answer came.
+            with WaitBoost(REALTIME, "bench"):
                 _, lifted = loaded_tail(client, rounds, hogs)
             tails[f"{hogs} busy, realtime_priority {REALTIME}, caller in SCHED_RR"] = lifted
     else:

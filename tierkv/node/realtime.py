@@ -66,9 +66,8 @@ def enter_realtime(priority: int, who: str) -> bool:
     try:
         for tid in sorted(_threads()):
             try:
-                if os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK in _RT_POLICIES:
-                    continue
-                os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
+                if _policy(tid) not in _RT_POLICIES:
+                    _lift(tid, param)
             except ProcessLookupError:  # a thread that ended meanwhile
                 continue
     except OSError as e:
@@ -95,6 +94,15 @@ def _threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
+def _policy(tid: int) -> int:
+    """The thread's scheduling class, without the reset-on-fork flag."""
+    return os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK
+
+
+def _lift(tid: int, param: os.sched_param) -> None:
+    os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
+
+
 class WaitBoost:
     """`with boost:` around a wait for the broker: the waiting thread is in SCHED_RR
     at `priority` for the wait and back in its own class after. A thread already in a
@@ -114,12 +122,12 @@ class WaitBoost:
         if self.priority <= 0:
             lifted.append(None)
             return
-        policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+        policy = _policy(0)
         if policy in _RT_POLICIES:  # already there (lifted by an outer wait, or its own)
             lifted.append(None)
             return
         try:
-            os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, self._param)
+            _lift(0, self._param)
         except OSError as e:
             _refused(self.who, self.priority, e)
             self.priority = 0
@@ -148,8 +156,7 @@ def allowed(priority: int) -> bool:
 
     def attempt() -> None:
         try:
-            os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK,
-                                  os.sched_param(priority))
+            _lift(0, os.sched_param(priority))
             result.append(True)
         except OSError:
             result.append(False)

@@ -178,6 +178,8 @@ class LMCacheStepEngine(Engine):
     module docstring): CPU KV tensors registered with the server, each step's
     stores and loads submitted and waited for, then reported."""
 
+    _admitted = False  # once LMCache admitted a request (see `step`)
+
     def __post_init__(self) -> None:
         super().__post_init__()  # copy=False: the scheduler side alone
         import torch
@@ -213,8 +215,6 @@ class LMCacheStepEngine(Engine):
                 result = super().step()
         self._admitted = True
         return result
-
-    _admitted = False
 
     def _work(self, out: Any) -> Any:
         """vLLM's model runner's connector calls, the forward pass left out."""
