@@ -129,3 +129,38 @@ def test_calls_are_answered_in_order_and_one_given_up_comes_back_late(start_node
         assert link.take_late() == [calls[0]] and link.take_late() == []
     finally:
         link.close()
+
+
+
+def test_a_request_deferred_while_the_engine_is_full_is_answered_when_it_has_room(start_node):
+    """vLLM asks about a request it deferred (RETRY) again only once it has room for
+    it, often steps later: the answers must be there then, misses too (hits stay
+    pinned for a few steps anyway), not gone with the step they were first meant
+    for. Two running at most: the third and fourth request wait for a slot after
+    their first (deferred) ask; each is admitted at its second ask."""
+    node = start_node(cpu_blocks=256)
+    shape = SHAPE.__class__(**{**SHAPE.__dict__, "gpu_blocks": 128, "max_num_seqs": 2})
+    writer = Engine(shape, extra_config(node), name="writer")
+    reader = Engine(shape, extra_config(node, sync_lookups=0, prefetch_requests=0),
+                    name="reader")
+    asks: dict[str, int] = {}
+    ask = reader.scheduler.connector.get_num_new_matched_tokens
+
+    def counted(request, *args, **kwargs):
+        asks[request.request_id] = asks.get(request.request_id, 0) + 1
+        return ask(request, *args, **kwargs)
+
+    reader.scheduler.connector.get_num_new_matched_tokens = counted
+    try:
+        docs = documents(4)
+        run_round(writer, docs[2:3], 0)
+        settle(manager_of(writer))
+        for i, doc in enumerate(docs):
+            reader.add(doc + [7, 8, 1], max_tokens=(2, 8, 2, 2)[i], req_id=f"r{i}")
+        reader.run()
+    finally:
+        writer.close()
+        reader.close()
+    assert reader.tokens["external_hits"] == DOC_BLOCKS * SHAPE.block_size
+    assert asks == {f"r{i}": 2 for i in range(4)}
+    assert reader.mismatches == []

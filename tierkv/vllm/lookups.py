@@ -17,7 +17,9 @@ Answers are per vLLM chunk. A hit was pinned by the broker pass that found it an
 stays pinned until vLLM loads it (`prepare_load` claims the pins), or for
 `HIT_STEPS` steps; any other answer serves the step it was meant for and is asked
 again after (a miss can become a hit when another engine stores it, a pending
-block lands).
+block lands). A request vLLM was told RETRY for is asked again at every step's end
+until vLLM asks about it (vLLM does only once it has room for it), and an answer
+for it that comes back a step late still serves: its next ask finds one.
 
 Full-attention groups are looked up as leading runs (the broker stops promoting at
 the first key no tier holds); a model with a sliding-window group is looked up key

@@ -10,7 +10,9 @@ answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
 * **Lookups** (`lookups.py`): a request is looked up when vLLM adds it (`prefetch`,
   between steps), so the step that first scans it has its answers or waits once for
   them within the budget. Otherwise answered from what the broker said, else RETRY
-  and asked at the end of the step, so the next step has the answer. The first
+  and asked at the end of the step, so the next step has the answer; a request told
+  RETRY stays asked at each step's end until vLLM asks again (it asks a deferred
+  request only once it has room for it, often steps later). The first
   `sync_lookups` requests of a step may get a round trip of their own (within the
   budget), answering the key asked and those the same scan asks next. A request
   told RETRY for want of an answer for `lookup_wait_ms` misses instead (vLLM
@@ -160,6 +162,7 @@ class TierkvOffloadingManager(OffloadingManager):
                 return LookupResult.MISS  # the broker is slow: computing beats waiting
             state.asks[key] = None
             return LookupResult.RETRY
+        state.waiting_since = None
         if answer.status in AGAIN:
             state.asks[key] = None
         return answer.status
@@ -253,10 +256,12 @@ class TierkvOffloadingManager(OffloadingManager):
             if found is not None and found.region and found.region != self.spares.region:
                 self.spares.drop_all()  # another region: the broker restarted, they are void
                 self.spares.region = found.region
+            state = self._requests.get(req_id)
+            if until < self._step and state is not None and self._deferred(state):
+                until = self._step  # late, but the freshest there is for a request vLLM defers
             answers = read_answers(chain, found, keymap, until)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)
-            state = self._requests.get(req_id)
             if (not told or state is None or carried.generation != self.generation
                     or until < self._step):
                 self.holdings.release(pins)
@@ -273,7 +278,6 @@ class TierkvOffloadingManager(OffloadingManager):
                     self.present.add(answer.pinned[0])
                 state.answers[chunk] = answer
                 state.asks.pop(chunk, None)
-            state.waiting_since = None
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, hits)
 
     # -- loads -----------------------------------------------------------------------
@@ -431,10 +435,15 @@ class TierkvOffloadingManager(OffloadingManager):
         self.rounds.catch_up()
         step = self._step
         for state in self._requests.values():
+            # A request vLLM deferred is asked about again only when it has room for
+            # it, often steps later: until then its answers are kept fresh.
+            deferred = self._deferred(state)
             for chunk, answer in list(state.answers.items()):
                 if answer.until <= step:
                     self.holdings.release(answer.pinned)
                     del state.answers[chunk]
+                    if deferred:
+                        state.asks[chunk] = None
         self.spares.step_ended()
         owed = self.holdings.owed
         asked = any(state.asks for state in self._requests.values())
@@ -452,6 +461,12 @@ class TierkvOffloadingManager(OffloadingManager):
         self._sync_left = self.options.sync_lookups
         self._flush_waited = False
         self._idle = False
+
+    def _deferred(self, state: RequestLookups) -> bool:
+        """vLLM was told RETRY for the request, has not been answered since, and will
+        still wait for an answer (`lookup_wait_ms`)."""
+        since = state.waiting_since
+        return since is not None and time.monotonic() - since <= self.options.lookup_wait_ms / 1e3
 
     def _take_asks(self) -> list[tuple[str, int, list[bytes]]]:
         """The asked keys for one round trip, per request and group, within the limits
