@@ -132,17 +132,13 @@ def test_calls_are_answered_in_order_and_one_given_up_comes_back_late(start_node
 
 
 
-def test_a_request_deferred_while_the_engine_is_full_is_answered_when_it_has_room(start_node):
-    """vLLM asks about a request it deferred (RETRY) again only once it has room for
-    it, often steps later: the answers must be there then, misses too (hits stay
-    pinned for a few steps anyway), not gone with the step they were first meant
-    for. Two running at most: the third and fourth request wait for a slot after
-    their first (deferred) ask; each is admitted at its second ask."""
-    node = start_node(cpu_blocks=256)
+def four_requests_two_slots(node, max_tokens: tuple[int, ...], **options) -> dict[str, int]:
+    """Four requests on an engine that runs two at most, the third's prefix stored
+    by another engine first (a hit), the others new (misses): how many times vLLM
+    asked tierkv about each."""
     shape = SHAPE.__class__(**{**SHAPE.__dict__, "gpu_blocks": 128, "max_num_seqs": 2})
     writer = Engine(shape, extra_config(node), name="writer")
-    reader = Engine(shape, extra_config(node, sync_lookups=0, prefetch_requests=0),
-                    name="reader")
+    reader = Engine(shape, extra_config(node, sync_lookups=0, **options), name="reader")
     asks: dict[str, int] = {}
     ask = reader.scheduler.connector.get_num_new_matched_tokens
 
@@ -156,11 +152,33 @@ def test_a_request_deferred_while_the_engine_is_full_is_answered_when_it_has_roo
         run_round(writer, docs[2:3], 0)
         settle(manager_of(writer))
         for i, doc in enumerate(docs):
-            reader.add(doc + [7, 8, 1], max_tokens=(2, 8, 2, 2)[i], req_id=f"r{i}")
+            reader.add(doc + [7, 8, 1], max_tokens=max_tokens[i], req_id=f"r{i}")
         reader.run()
     finally:
         writer.close()
         reader.close()
     assert reader.tokens["external_hits"] == DOC_BLOCKS * SHAPE.block_size
-    assert asks == {f"r{i}": 2 for i in range(4)}
     assert reader.mismatches == []
+    return asks
+
+
+def test_a_request_deferred_while_the_engine_is_full_is_answered_when_it_has_room(start_node):
+    """vLLM asks about a request it deferred (RETRY) again only once it has room for
+    it, often steps later: the answers must be there then, misses too (hits stay
+    pinned for a few steps anyway), not gone with the step they were first meant
+    for. Nothing looked up ahead: every request is deferred at its first ask; the
+    first two take both slots in the step after, and the third and fourth wait for
+    a slot. Each is admitted at its second ask."""
+    node = start_node(cpu_blocks=256)
+    asks = four_requests_two_slots(node, (2, 8, 2, 2), prefetch_requests=0)
+    assert asks == {f"r{i}": 2 for i in range(4)}
+
+
+def test_a_request_waiting_in_the_queue_is_answered_at_its_first_ask(start_node):
+    """A request waits in vLLM's queue until a running one makes room, here for
+    longer than a hit stays pinned for it: the answers looked up when vLLM added it
+    are kept fresh until vLLM asks, so it is admitted at its first ask, as with
+    vLLM's own manager (none is answered by a round trip of its own in the step)."""
+    node = start_node(cpu_blocks=256)
+    asks = four_requests_two_slots(node, (12, 12, 2, 2))
+    assert asks == {f"r{i}": 1 for i in range(4)}

@@ -43,6 +43,7 @@ from tierkv.vllm.layout import KeyMap
 from tierkv.vllm.request_keys import request_keys
 
 HIT_STEPS = 4  # steps a hit vLLM did not load stays pinned for its request
+NEVER = 1 << 62  # a step no engine reaches
 STATUS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
           "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
 # Answers that defer the request: asked again at the step's end.
@@ -71,6 +72,9 @@ class RequestLookups:
     waiting_since: float | None = None  # told RETRY for want of an answer since then
     prefetch: Any = None  # the `Call` looking it up since it was added, until waited for
     in_flush: Any = None  # the end-of-step `Call` its asked keys last went in
+    asked: bool = False  # vLLM has scanned it
+    ahead: Any = None  # its chains to look up before vLLM asks, once made
+    expires: int = NEVER  # no answer of it serves past this step (or a later one)
 
 
 class KnownPresent:
@@ -140,9 +144,9 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     lookup failed, every chunk a miss."""
     # Answers that are not hits hold nothing and are never changed: one of each
     # status serves every chunk (an engine step makes thousands).
-    others = {status: Answer(status, until) for status in STATUS.values()}
+    others: dict[LookupResult, Answer] = {}
     if found is None:
-        return dict.fromkeys(chain, others[LookupResult.MISS])
+        return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
     rows = found.rows or [-1] * len(chain)
     if found.statuses is None:  # a leading run
         rest = "retry" if found.pending or found.retry else "miss"
@@ -157,5 +161,9 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
             answers[chunk] = Answer(LookupResult.HIT, until, row, [keymap.key(chunk)],
                                     source, found.region)
         else:  # a hit whose pin was refused (the owner's share) reads as a miss
-            answers[chunk] = others[LookupResult.MISS if status == "hit" else STATUS[status]]
+            result = LookupResult.MISS if status == "hit" else STATUS[status]
+            answer = others.get(result)
+            if answer is None:
+                answer = others[result] = Answer(result, until)
+            answers[chunk] = answer
     return answers

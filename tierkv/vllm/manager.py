@@ -8,8 +8,9 @@ answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
 `link.py` say what becomes of a round trip nobody waits for):
 
 * **Lookups** (`lookups.py`): a request is looked up when vLLM adds it (`prefetch`,
-  between steps), so the step that first scans it has its answers or waits once for
-  them within the budget. Otherwise answered from what the broker said, else RETRY
+  between steps), and again at each step's end while it waits in vLLM's queue (the
+  first `prefetch_requests` of it), so the step that first scans it has fresh
+  answers or waits once for them within the budget. Otherwise answered from what the broker said, else RETRY
   and asked at the end of the step, so the next step has the answer; a request told
   RETRY stays asked at each step's end until vLLM asks again (it asks a deferred
   request only once it has room for it, often steps later). The first
@@ -45,6 +46,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -72,6 +74,7 @@ from tierkv.vllm.layout import KeyMap
 from tierkv.vllm.lookups import (
     AGAIN,
     HIT_STEPS,
+    NEVER,
     Answer,
     KnownPresent,
     RequestLookups,
@@ -138,6 +141,7 @@ class TierkvOffloadingManager(OffloadingManager):
         self._flush_waited = False  # this step waited for the end-of-step answers
         self._idle = False
         self._events: list[OffloadingEvent] = []
+        self._queued: dict[str, ReqContext] = {}  # added, not scanned by vLLM yet, in order
         self._warn = RateLimitedLog(log)
 
     @property
@@ -154,6 +158,9 @@ class TierkvOffloadingManager(OffloadingManager):
             answer = state.answers.get(key)
             if answer is None or answer.until < self._step:
                 answer = self._answer_now(state, key)
+        if not state.asked:  # queued until now (an answer it waited for above serves)
+            state.asked = True
+            self._queued.pop(req_context.req_id, None)
         if answer is None:
             now = time.monotonic()
             if state.waiting_since is None:
@@ -211,10 +218,25 @@ class TierkvOffloadingManager(OffloadingManager):
         per group; pins of hits vLLM's own prefix cache makes needless go after
         `HIT_STEPS`. At most `prefetch_requests` are out at once: a long queue added
         at once must not start promotions (and evictions) for requests that will not
-        run for many steps; those are looked up when the step scans them."""
+        run for many steps; those are looked up when the step scans them. A request
+        that waits in vLLM's queue (it runs once a running one makes room, often steps
+        later) has its answers kept fresh while it is among the first
+        `prefetch_requests` of the queue (`_refresh_queue_head`)."""
+        self._queued[ctx.req_id] = ctx
         if self.rounds.down or len(self.rounds.prefetches) >= self.options.prefetch_requests:
             return
         state = self._state(ctx)
+        picked = self._chains_ahead(state)
+        if picked:
+            state.prefetch = self.rounds.prefetch(self._lookups(picked, until=self._step,
+                                                                owed=False))
+
+    def _chains_ahead(self, state: RequestLookups) -> list[tuple[str, int, list[bytes]]]:
+        """A request's keys to look up before vLLM asks: from its first, per group, at
+        most `max_lookup_keys` (a sliding-window group's last ones)."""
+        if state.ahead is not None:
+            return state.ahead
+        ctx = state.ctx
         chains: dict[int, list[tuple[int, bytes]]] = {}
         for key, position in request_keys(ctx).items():
             chains.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(
@@ -225,9 +247,33 @@ class TierkvOffloadingManager(OffloadingManager):
             chain.sort()
             chain = chain[-most:] if group in self.window_groups else chain[:most]
             picked.append((ctx.req_id, group, [k for _, k in chain]))
-        if picked:
-            state.prefetch = self.rounds.prefetch(self._lookups(picked, until=self._step,
-                                                                owed=False))
+        state.ahead = picked
+        return picked
+
+    def _refresh_queue_head(self, until: int) -> None:
+        """Look up again, in a round trip of their own, the keys without an answer for
+        step `until` of the first `prefetch_requests` requests in vLLM's queue: vLLM
+        asks about them once running requests make room (often many in one step), and
+        they are answered in the step that asks."""
+        if self.rounds.down:
+            return
+        stale: list[RequestLookups] = []
+        chains = []
+        for ctx in islice(self._queued.values(), self.options.prefetch_requests):
+            state = self._state(ctx)
+            if state.prefetch is not None and not state.prefetch.done:
+                continue  # looked up already, the answer on its way
+            answers = state.answers
+            missing = [(req_id, group, lacking) for req_id, group, chain
+                       in self._chains_ahead(state)
+                       if (lacking := [k for k in chain if k not in answers])]
+            if missing:
+                stale.append(state)
+                chains.extend(missing)
+        if chains:
+            call = self.rounds.prefetch(self._lookups(chains, until=until, owed=False))
+            for state in stale:
+                state.prefetch = call
 
     def _lookups(self, chains: Iterable[tuple[str, int, list[bytes]]], until: int,
                  step: bool = False, owed: bool = True) -> tuple[Any, Carried]:
@@ -257,8 +303,8 @@ class TierkvOffloadingManager(OffloadingManager):
                 self.spares.drop_all()  # another region: the broker restarted, they are void
                 self.spares.region = found.region
             state = self._requests.get(req_id)
-            if until < self._step and state is not None and self._deferred(state):
-                until = self._step  # late, but the freshest there is for a request vLLM defers
+            if until < self._step and state is not None and self._awaited(req_id, state):
+                until = self._step  # late, but the freshest there is for it
             answers = read_answers(chain, found, keymap, until)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)
@@ -278,6 +324,7 @@ class TierkvOffloadingManager(OffloadingManager):
                     self.present.add(answer.pinned[0])
                 state.answers[chunk] = answer
                 state.asks.pop(chunk, None)
+            state.expires = min(state.expires, until)
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, hits)
 
     # -- loads -----------------------------------------------------------------------
@@ -425,6 +472,7 @@ class TierkvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._queued.pop(req_context.req_id, None)
         state = self._requests.pop(req_context.req_id, None)
         if state is not None:
             for answer in state.answers.values():
@@ -434,16 +482,19 @@ class TierkvOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.rounds.catch_up()
         step = self._step
-        for state in self._requests.values():
+        for req_id, state in self._requests.items():
+            if state.expires > step:
+                continue
             # A request vLLM deferred is asked about again only when it has room for
             # it, often steps later: until then its answers are kept fresh.
-            deferred = self._deferred(state)
+            deferred = req_id not in self._queued and self._awaited(req_id, state)
             for chunk, answer in list(state.answers.items()):
                 if answer.until <= step:
                     self.holdings.release(answer.pinned)
                     del state.answers[chunk]
                     if deferred:
                         state.asks[chunk] = None
+            state.expires = min((a.until for a in state.answers.values()), default=NEVER)
         self.spares.step_ended()
         owed = self.holdings.owed
         asked = any(state.asks for state in self._requests.values())
@@ -456,15 +507,19 @@ class TierkvOffloadingManager(OffloadingManager):
             flush = self.rounds.flush = self.rounds.send((batch, carried))
             for req_id, _, _ in asks:
                 self._requests[req_id].in_flush = flush
+        self._refresh_queue_head(step + 1)
         self._step = step + 1
         self.rounds.new_step()
         self._sync_left = self.options.sync_lookups
         self._flush_waited = False
         self._idle = False
 
-    def _deferred(self, state: RequestLookups) -> bool:
-        """vLLM was told RETRY for the request, has not been answered since, and will
-        still wait for an answer (`lookup_wait_ms`)."""
+    def _awaited(self, req_id: str, state: RequestLookups) -> bool:
+        """vLLM will ask about the request and has no answer for it: it is queued (not
+        scanned yet), or it was told RETRY and will still wait for an answer
+        (`lookup_wait_ms`)."""
+        if req_id in self._queued:
+            return True
         since = state.waiting_since
         return since is not None and time.monotonic() - since <= self.options.lookup_wait_ms / 1e3
 
