@@ -1,7 +1,7 @@
 """`tierkv bench vllm` (opt-in): tierkv inside vLLM 0.33, beside vLLM's own offloading.
 
     tierkv bench vllm [--quick] [--trace PATH]
-    python -m tierkv.bench.vllm [--requests 256] [--steps 300] [--tierkv-hits]
+    python -m tierkv.bench.vllm [--requests 256] [--steps 300] [--tierkv-hits] [--queued N]
 
 Two figures, each against vLLM's own in-process back end in the same run:
 
@@ -18,7 +18,10 @@ Two figures, each against vLLM's own in-process back end in the same run:
   room and a CPU tier that holds them all: a document's next request finds it in the
   offloading tier only, so its lookups, pins and loads are what is timed. Each row
   says how many prompt tokens the offloading tier served while timed, and how many
-  prompt tokens were admitted per step (requests first running). No forward pass and
+  prompt tokens were admitted per step (requests first running). A third workload
+  is the second with a quarter of the requests waiting in vLLM's queue (the engine
+  runs the rest at most), as on a loaded server: vLLM scans a queued request only
+  once a running one makes room, steps after it was added. No forward pass and
   no copies: the step's transfers are reported done at once, for both back ends
   alike. The goal (issue 27): at most 1.0x vLLM's step, and no more than LMCache MP's.
 * **LMCache 0.5.6 MP beside it**, where the peers' environment exists (`python -m
@@ -66,7 +69,9 @@ DOC_BLOCKS = DOC_TOKENS // 16
 class Workload:
     """`requests` running, each a document prefix (one of `docs`) and its own tokens.
     `gpu_cache_blocks`: GPU blocks beyond what the running requests need, vLLM's own
-    prefix cache. `cycle`: documents in turn rather than at random."""
+    prefix cache. `cycle`: documents in turn rather than at random. `queued`: of the
+    `requests`, how many wait in vLLM's queue (the engine runs the others at most):
+    a loaded server's, where vLLM scans a request only once one running makes room."""
 
     requests: int = 256
     steps: int = 300
@@ -76,6 +81,7 @@ class Workload:
     gpu_cache_blocks: int = DOCS * 8
     cycle: bool = False
     cpu_blocks: int = CPU_BLOCKS
+    queued: int = 0
 
     def tierkv_hits(self) -> Workload:
         """Documents in turn, more of them than requests run at once, no spare GPU
@@ -113,7 +119,8 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
 
     per_request = (DOC_TOKENS + OWN_TOKENS + 64) // 16 + 1
     shape = EngineShape(gpu_blocks=workload.requests * per_request + workload.gpu_cache_blocks,
-                        max_num_seqs=workload.requests, max_batched_tokens=8192)
+                        max_num_seqs=workload.requests - workload.queued,
+                        max_batched_tokens=8192)
     rng = random.Random(workload.seed)
     docs = [[1000 + d * DOC_TOKENS + i for i in range(DOC_TOKENS)]
             for d in range(workload.docs)]
@@ -337,8 +344,13 @@ def run(part: Part, opts: Options) -> None:
     env = peer_env_or_reason()
     if isinstance(env, str):
         part.note(env)
-    for name, workload in (("repeats in vLLM's GPU cache", base),
-                           ("repeats served by the offloading tier", base.tierkv_hits())):
+    hits = base.tierkv_hits()
+    queued = replace(hits, queued=hits.requests // 4)
+    for name, workload, with_peer in (
+            ("repeats in vLLM's GPU cache", base, True),
+            ("repeats served by the offloading tier", hits, True),
+            (f"repeats served by the offloading tier, {queued.queued} of them queued",
+             queued, False)):
         o = overhead(workload, repeats)
         steps = workload.steps
         times = statistics.median(o.ours) / statistics.median(o.theirs)
@@ -353,7 +365,8 @@ def run(part: Part, opts: Options) -> None:
                           f", vLLM {statistics.median(o.their_hits):,.0f}; prompt tokens "
                           f"admitted per step: tierkv {per_step(o.our_admitted, steps):,.0f}"
                           f", vLLM {per_step(o.their_admitted, steps):,.0f}; {o.answered()}"))
-        if not isinstance(env, str) and not part.over_budget(f"LMCache MP, {name}"):
+        if with_peer and not isinstance(env, str) and not part.over_budget(
+                f"LMCache MP, {name}"):
             try:
                 part.add(peer_row(name, workload, repeats, o, peer_step(workload, repeats, env)))
             except (RuntimeError, ValueError, KeyError) as e:
@@ -408,10 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tierkv-hits", action="store_true",
                         help="the workload whose repeats the offloading tier serves (no "
                              "room for vLLM's own prefix cache)")
+    parser.add_argument("--queued", type=int, default=0,
+                        help="of the requests, how many wait in vLLM's queue (the engine "
+                             "runs the others at most)")
     args = parser.parse_args(argv)
+    if not 0 <= args.queued < args.requests:
+        parser.error(f"--queued must be 0 to {args.requests - 1}, got {args.queued}")
     workload = Workload(requests=args.requests, steps=args.steps)
     if args.tierkv_hits:
         workload = workload.tierkv_hits()
+    workload = replace(workload, queued=args.queued)
     o = overhead(workload, args.repeats)
     for system in (PeerStep("tierkv", o.ours, o.our_hits, o.our_admitted),
                    PeerStep("vLLM CPUOffloadingManager", o.theirs, o.their_hits,
