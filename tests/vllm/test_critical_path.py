@@ -22,6 +22,7 @@ from tests.vllm.test_manager import stored
 from tierkv.bench.vllm_engine import Engine
 from tierkv.client import Client
 from tierkv.vllm.link import BrokerLink
+from tierkv.vllm.lookups import HIT_STEPS
 
 
 def test_a_store_takes_rows_reserved_ahead_and_needs_no_round_trip(start_node, engine_on):
@@ -182,3 +183,30 @@ def test_a_request_waiting_in_the_queue_is_answered_at_its_first_ask(start_node)
     node = start_node(cpu_blocks=256)
     asks = four_requests_two_slots(node, (12, 12, 2, 2))
     assert asks == {f"r{i}": 1 for i in range(4)}
+
+
+def test_a_preempted_request_is_answered_when_vllm_scans_it_again(start_node, engine_on):
+    """vLLM puts a request it preempts back at the head of its queue and scans it
+    again once it has room, here after longer than any answer serves: its answers
+    are kept fresh meanwhile, as a queued request's, so it is not told RETRY."""
+    from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
+
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node, sync_lookups=0))
+    keys = chunk_keys(4, seed=6)
+    stored(m, keys[:2])
+    ctx = request("p", keys)
+    expected = [LookupResult.HIT] * 2 + [LookupResult.MISS]
+    with m.lock:
+        m.prefetch(ctx)
+        assert [m.lookup(k, ctx) for k in keys[:3]] == expected  # vLLM's scan stops
+        m.on_schedule_end(ScheduleEndContext((), ("p",)))
+    for _ in range(2 * HIT_STEPS):  # steps in which vLLM has no room for it
+        for call in list(m.rounds.prefetches):
+            assert call.wait(10.0)
+        end_step(m)
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys[:3]] == expected
+        m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins

@@ -9,7 +9,8 @@ answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
 
 * **Lookups** (`lookups.py`): a request is looked up when vLLM adds it (`prefetch`,
   between steps), and again at each step's end while it waits in vLLM's queue (the
-  first `prefetch_requests` of it), so the step that first scans it has fresh
+  first `prefetch_requests` of it; a preempted request goes back to its head), so
+  the step that first scans it has fresh
   answers or waits once for them within the budget. Otherwise answered from what
   the broker said, else RETRY and asked at the end of the step, so the next step
   has the answer; a request told RETRY stays asked at each step's end until vLLM
@@ -483,6 +484,7 @@ class TierkvOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.rounds.catch_up()
         step = self._step
+        self._requeue(context.preempted_req_ids)
         for req_id, state in self._requests.items():
             if state.expires > step:
                 continue
@@ -514,6 +516,19 @@ class TierkvOffloadingManager(OffloadingManager):
         self._sync_left = self.options.sync_lookups
         self._flush_waited = False
         self._idle = False
+
+    def _requeue(self, preempted: Iterable[str]) -> None:
+        """vLLM puts a request it preempts back at the head of its queue, and scans it
+        again once it has room: it is kept answered as a queued one is."""
+        front = {}
+        for req_id in preempted:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.asked = False
+                state.ahead = None  # it has more keys now
+                front[req_id] = state.ctx
+        if front:
+            self._queued = {**front, **self._queued}
 
     def _awaited(self, req_id: str, state: RequestLookups) -> bool:
         """vLLM will ask about the request and has no answer for it: it is queued (not
