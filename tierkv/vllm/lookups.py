@@ -71,6 +71,7 @@ class RequestLookups:
     synced: int = -1  # the step of its last lookup of its own
     waiting_since: float | None = None  # told RETRY for want of an answer since then
     prefetch: Any = None  # the `Call` looking it up since it was added, until waited for
+    coming: set[bytes] = field(default_factory=set)  # keys `prefetch` (if out) looks up
     in_flush: Any = None  # the end-of-step `Call` its asked keys last went in
     asked: bool = False  # vLLM has scanned it
     ahead: Any = None  # its chains to look up before vLLM asks, once made
@@ -143,8 +144,9 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
     lookup failed, every chunk a miss."""
     # Answers that are not hits hold nothing and are never changed: one of each
-    # status serves every chunk (an engine step makes thousands).
-    others: dict[LookupResult, Answer] = {}
+    # status serves every chunk (an engine step makes thousands). Keyed by the
+    # status's name: an enum member's hash is a Python call.
+    others: dict[str, Answer] = {}
     if found is None:
         return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
     rows = found.rows or [-1] * len(chain)
@@ -161,9 +163,9 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
             answers[chunk] = Answer(LookupResult.HIT, until, row, [keymap.key(chunk)],
                                     source, found.region)
         else:  # a hit whose pin was refused (the owner's share) reads as a miss
-            result = LookupResult.MISS if status == "hit" else STATUS[status]
-            answer = others.get(result)
+            name = "miss" if status == "hit" else status
+            answer = others.get(name)
             if answer is None:
-                answer = others[result] = Answer(result, until)
+                answer = others[name] = Answer(STATUS[name], until)
             answers[chunk] = answer
     return answers

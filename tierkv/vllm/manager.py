@@ -232,6 +232,7 @@ class TierkvOffloadingManager(OffloadingManager):
         if picked:
             state.prefetch = self.rounds.prefetch(self._lookups(picked, until=self._step,
                                                                 owed=False))
+            state.coming = {k for _, _, keys in picked for k in keys}
 
     def _chains_ahead(self, state: RequestLookups) -> list[tuple[str, int, list[bytes]]]:
         """A request's keys to look up before vLLM asks: from its first, per group, at
@@ -259,23 +260,27 @@ class TierkvOffloadingManager(OffloadingManager):
         they are answered in the step that asks."""
         if self.rounds.down:
             return
-        stale: list[RequestLookups] = []
+        stale: list[tuple[RequestLookups, set[bytes]]] = []
         chains = []
         for ctx in islice(self._queued.values(), self.options.prefetch_requests):
             state = self._state(ctx)
-            if state.prefetch is not None and not state.prefetch.done:
-                continue  # looked up already, the answer on its way
             answers = state.answers
+            # Keys of its last look-up still on their way are not asked twice.
+            coming = state.coming if state.prefetch is not None and not state.prefetch.done \
+                else ()
             missing = [(req_id, group, lacking) for req_id, group, chain
                        in self._chains_ahead(state)
-                       if (lacking := [k for k in chain if k not in answers])]
+                       if (lacking := [k for k in chain if k not in answers
+                                       and k not in coming])]
             if missing:
-                stale.append(state)
+                stale.append((state, {k for _, _, keys in missing for k in keys}))
                 chains.extend(missing)
         if chains:
             call = self.rounds.prefetch(self._lookups(chains, until=until, owed=False))
-            for state in stale:
-                state.prefetch = call
+            for state, keys in stale:
+                if state.prefetch is not None and not state.prefetch.done:
+                    keys |= state.coming
+                state.prefetch, state.coming = call, keys
 
     def _lookups(self, chains: Iterable[tuple[str, int, list[bytes]]], until: int,
                  step: bool = False, owed: bool = True) -> tuple[Any, Carried]:
