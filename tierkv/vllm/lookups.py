@@ -17,9 +17,10 @@ Answers are per vLLM chunk. A hit was pinned by the broker pass that found it an
 stays pinned until vLLM loads it (`prepare_load` claims the pins), or for
 `HIT_STEPS` steps; any other answer serves the step it was meant for and is asked
 again after (a miss can become a hit when another engine stores it, a pending
-block lands). A request vLLM was told RETRY for is asked again at every step's end
-until vLLM asks about it (vLLM does only once it has room for it), and an answer
-for it that comes back a step late still serves: its next ask finds one.
+block lands). A request waiting in vLLM's queue, or one vLLM was told RETRY for,
+is asked again at every step's end until vLLM asks about it (vLLM does only once it
+has room for it), and an answer for it that comes back a step late still serves:
+its next ask finds one.
 
 Full-attention groups are looked up as leading runs (the broker stops promoting at
 the first key no tier holds); a model with a sliding-window group is looked up key
@@ -75,7 +76,7 @@ class RequestLookups:
     in_flush: Any = None  # the end-of-step `Call` its asked keys last went in
     asked: bool = False  # vLLM has scanned it
     ahead: Any = None  # its chains to look up before vLLM asks, once made
-    expires: int = NEVER  # no answer of it serves past this step (or a later one)
+    expires: int = NEVER  # none of its answers expires before this step
 
 
 class KnownPresent:

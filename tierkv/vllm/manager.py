@@ -10,12 +10,11 @@ answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
 * **Lookups** (`lookups.py`): a request is looked up when vLLM adds it (`prefetch`,
   between steps), and again at each step's end while it waits in vLLM's queue (the
   first `prefetch_requests` of it; a preempted request goes back to its head), so
-  the step that first scans it has fresh
-  answers or waits once for them within the budget. Otherwise answered from what
-  the broker said, else RETRY and asked at the end of the step, so the next step
-  has the answer; a request told RETRY stays asked at each step's end until vLLM
-  asks again (it asks a deferred request only once it has room for it, often steps
-  later). The first
+  the step that first scans it has fresh answers or waits once for them within the
+  budget. Otherwise answered from what the broker said, else RETRY and asked at the
+  end of the step, so the next step has the answer; a request told RETRY stays
+  asked at each step's end until vLLM asks again (it asks a deferred request only
+  once it has room for it, often steps later). The first
   `sync_lookups` requests of a step may get a round trip of their own (within the
   budget), answering the key asked and those the same scan asks next. A request
   told RETRY for want of an answer for `lookup_wait_ms` misses instead (vLLM
