@@ -75,6 +75,7 @@ class RequestLookups:
     coming: set[bytes] = field(default_factory=set)  # keys `prefetch` (if out) looks up
     in_flush: Any = None  # the end-of-step `Call` its asked keys last went in
     asked: bool = False  # vLLM has scanned it
+    tiered: bool = False  # an answer of it was RETRY or HIT_PENDING: a tier holds a key
     ahead: Any = None  # its chains to look up before vLLM asks, once made
     expires: int = NEVER  # none of its answers expires before this step
 

@@ -256,13 +256,18 @@ class TierkvOffloadingManager(OffloadingManager):
         """Look up again, in a round trip of their own, the keys without an answer for
         step `until` of the first `prefetch_requests` requests in vLLM's queue: vLLM
         asks about them once running requests make room (often many in one step), and
-        they are answered in the step that asks."""
+        they are answered in the step that asks. Not a request a slower tier serves
+        (its blocks are being promoted, or were): each look-up would start its
+        promotions again, and a CPU tier too small for the queue would evict blocks
+        promoted for one queued request to promote another's."""
         if self.rounds.down:
             return
         stale: list[tuple[RequestLookups, set[bytes]]] = []
         chains = []
         for ctx in islice(self._queued.values(), self.options.prefetch_requests):
             state = self._state(ctx)
+            if state.tiered:
+                continue  # looked up again, it would start promotions for it again
             answers = state.answers
             # Keys of its last look-up still on their way are not asked twice.
             coming = state.coming if state.prefetch is not None and not state.prefetch.done \
@@ -330,6 +335,8 @@ class TierkvOffloadingManager(OffloadingManager):
                     self.present.add(answer.pinned[0])
                 state.answers[chunk] = answer
                 state.asks.pop(chunk, None)
+                if answer.status in AGAIN:
+                    state.tiered = True
             state.expires = min(state.expires, until)
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, hits)
 
