@@ -277,13 +277,11 @@ class TierkvOffloadingManager(OffloadingManager):
                        if (lacking := [k for k in chain if k not in answers
                                        and k not in coming])]
             if missing:
-                stale.append((state, {k for _, _, keys in missing for k in keys}))
+                stale.append((state, {k for _, _, keys in missing for k in keys} | set(coming)))
                 chains.extend(missing)
         if chains:
             call = self.rounds.prefetch(self._lookups(chains, until=until, owed=False))
             for state, keys in stale:
-                if state.prefetch is not None and not state.prefetch.done:
-                    keys |= state.coming
                 state.prefetch, state.coming = call, keys
 
     def _lookups(self, chains: Iterable[tuple[str, int, list[bytes]]], until: int,
@@ -314,7 +312,8 @@ class TierkvOffloadingManager(OffloadingManager):
                 self.spares.drop_all()  # another region: the broker restarted, they are void
                 self.spares.region = found.region
             state = self._requests.get(req_id)
-            if until < self._step and state is not None and self._awaited(req_id, state):
+            if until < self._step and state is not None and (
+                    req_id in self._queued or self._deferred(state)):
                 until = self._step  # late, but the freshest there is for it
             answers = read_answers(chain, found, keymap, until)
             pins = [k for a in answers.values() for k in a.pinned]
@@ -335,8 +334,7 @@ class TierkvOffloadingManager(OffloadingManager):
                     self.present.add(answer.pinned[0])
                 state.answers[chunk] = answer
                 state.asks.pop(chunk, None)
-                if answer.status in AGAIN:
-                    state.tiered = True
+            state.tiered = state.tiered or any(a.status in AGAIN for a in answers.values())
             state.expires = min(state.expires, until)
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, hits)
 
@@ -501,7 +499,7 @@ class TierkvOffloadingManager(OffloadingManager):
                 continue
             # A request vLLM deferred is asked about again only when it has room for
             # it, often steps later: until then its answers are kept fresh.
-            deferred = req_id not in self._queued and self._awaited(req_id, state)
+            deferred = req_id not in self._queued and self._deferred(state)
             for chunk, answer in list(state.answers.items()):
                 if answer.until <= step:
                     self.holdings.release(answer.pinned)
@@ -541,12 +539,9 @@ class TierkvOffloadingManager(OffloadingManager):
         if front:
             self._queued = {**front, **self._queued}
 
-    def _awaited(self, req_id: str, state: RequestLookups) -> bool:
-        """vLLM will ask about the request and has no answer for it: it is queued (not
-        scanned yet), or it was told RETRY and will still wait for an answer
-        (`lookup_wait_ms`)."""
-        if req_id in self._queued:
-            return True
+    def _deferred(self, state: RequestLookups) -> bool:
+        """vLLM was told RETRY for the request, has not been answered since, and will
+        still wait for an answer (`lookup_wait_ms`)."""
         since = state.waiting_since
         return since is not None and time.monotonic() - since <= self.options.lookup_wait_ms / 1e3
 
