@@ -8,10 +8,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from tierkv.node import lifecycle
-from tierkv.node.lifecycle import SECRETS_FD_ENV, child_environment, spawn, stop, wait_ready
+from tierkv.node.lifecycle import (
+    SECRETS_FD_ENV,
+    Child,
+    child_environment,
+    spawn,
+    stop,
+    wait_ready,
+)
 
 CHILD = r"""
 import json, os, sys, time
@@ -32,6 +40,18 @@ time.sleep(60)
 """
 
 
+def first_json_line(child: Child, timeout: float) -> str:
+    """The child printed its report before saying ready, but our log pump is a thread
+    of its own: the line may reach `log_lines` a moment after `wait_ready` returns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = next((line for line in child.log_lines if line.startswith("{")), None)
+        if line is not None:
+            return line
+        time.sleep(0.01)
+    raise AssertionError(f"no report from the child within {timeout}s:\n{child.tail()}")
+
+
 def run_child(tmp_path: Path, secrets: dict[str, str] | None) -> tuple[dict, bytes]:
     """The child's report, and what /proc shows of it while it runs."""
     marker = tmp_path / "recorded"
@@ -42,7 +62,7 @@ def run_child(tmp_path: Path, secrets: dict[str, str] | None) -> tuple[dict, byt
         wait_ready([child], 30)
         proc = Path(f"/proc/{child.pid}")
         exposed = (proc / "environ").read_bytes() + (proc / "cmdline").read_bytes()
-        report = json.loads(next(line for line in child.log_lines if line.startswith("{")))
+        report = json.loads(first_json_line(child, 10))
     finally:
         stop(child, 5)
     return report, exposed
