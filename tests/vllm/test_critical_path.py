@@ -7,6 +7,7 @@ processes), vLLM's real scheduler and connector."""
 from __future__ import annotations
 
 import signal
+import time
 
 from tests.vllm.conftest import (
     SHAPE,
@@ -208,5 +209,73 @@ def test_a_preempted_request_is_answered_when_vllm_scans_it_again(start_node, en
     with m.lock:
         assert [m.lookup(k, ctx) for k in keys[:3]] == expected
         m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins
+
+
+def queued_lookups(m, steps: int, other: Client) -> int:
+    """The broker's lookups while `ctx` waits in vLLM's queue for `steps` steps."""
+    before = other.stats()["cpu"]["lookups"]
+    for _ in range(steps):
+        for call in list(m.rounds.prefetches):
+            assert call.wait(10.0)
+        end_step(m)
+    return other.stats()["cpu"]["lookups"] - before
+
+
+def test_a_queued_request_is_looked_up_again_only_as_its_answers_expire(start_node,
+                                                                       engine_on):
+    """Kept answered while it waits, a queued request costs a lookup each time its
+    answers expire, and its misses serve as long as its hits (`QUEUED_STEPS`): a
+    lookup every few steps, not one a step. A hit among them is still a hit when
+    vLLM asks."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node, sync_lookups=0))
+    keys = chunk_keys(4, seed=8)
+    stored(m, keys[:2])
+    ctx = request("q", keys)
+    steps = 4 * HIT_STEPS
+    with m.lock:
+        m.prefetch(ctx)
+    with Client.from_config(node.config) as other:
+        looked_up = queued_lookups(m, steps, other)
+    # Its misses served one step before: a lookup each step. (+2: the look-up when
+    # vLLM added it may reach the broker after the count began.)
+    assert 1 <= looked_up <= steps // 4 + 2, looked_up
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys[:3]] == [LookupResult.HIT] * 2 + [
+            LookupResult.MISS]
+        m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins
+
+
+def test_a_queued_request_finds_what_this_engine_stored_while_it_waited(start_node,
+                                                                       engine_on):
+    """Many requests share a prefix: one computes and stores it while another waits
+    in the queue with misses for it, answers that still serve. When vLLM asks, a
+    miss this engine has seen stored since is looked up again: the waiting request
+    loads the prefix, as with vLLM's own manager, rather than computing it again."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node))
+    keys = chunk_keys(4, seed=9)
+    waiting, writing = request("waiting", keys), request("writing", keys)
+    with m.lock:
+        m.prefetch(waiting)
+    for call in list(m.rounds.prefetches):
+        assert call.wait(10.0)
+    with m.lock:
+        out = m.prepare_store(keys, writing)
+        assert out is not None and out.keys_to_store == keys
+        m.complete_store(set(keys), writing)
+    time.sleep(m.options.flush_s * 2)  # the commit is due: the step's end sends it
+    end_step(m)  # takes the waiting request's misses, which serve steps yet
+    with m.lock:
+        assert all(m.lookup(k, waiting) is LookupResult.HIT for k in keys)
+        m.on_request_finished(waiting)
     settle(m)
     assert not m.holdings.pins

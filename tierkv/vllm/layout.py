@@ -52,7 +52,11 @@ class KeyMap:
         return key
 
     def keys(self, chunks: Iterable[bytes]) -> list[bytes]:
-        return [self.key(c) for c in chunks]
+        prefix = self.prefix
+        keys = [prefix + c for c in chunks]
+        if keys and max(map(len, keys)) > MAX_KEY_LEN:
+            self.key(max(keys, key=len))  # raises, naming the length
+        return keys
 
     def chunk_of(self, key: bytes) -> bytes | None:
         """The vLLM key a tierkv key names (None: not this namespace's)."""

@@ -18,9 +18,11 @@ stays pinned until vLLM loads it (`prepare_load` claims the pins), or for
 `HIT_STEPS` steps; any other answer serves the step it was meant for and is asked
 again after (a miss can become a hit when another engine stores it, a pending
 block lands). A request waiting in vLLM's queue, or one vLLM was told RETRY for,
-is asked again at every step's end until vLLM asks about it (vLLM does only once it
-has room for it), and an answer for it that comes back a step late still serves:
-its next ask finds one.
+is asked again at each step's end whose answers for it expire, until vLLM asks
+about it (vLLM does only once it has room for it), and an answer for it that comes
+back a step late still serves: its next ask finds one. A queued request's answers
+that are not hits serve longer (`QUEUED_STEPS`); a miss among them for a key this
+engine has seen stored since is looked up again when vLLM asks.
 
 Full-attention groups are looked up as leading runs (the broker stops promoting at
 the first key no tier holds); a model with a sliding-window group is looked up key
@@ -44,6 +46,11 @@ from tierkv.vllm.layout import KeyMap
 from tierkv.vllm.request_keys import request_keys
 
 HIT_STEPS = 4  # steps a hit vLLM did not load stays pinned for its request
+# A request in vLLM's queue is looked up again whenever its answers expire, until
+# vLLM scans it: its misses serve as long as hits (a miss may go stale meanwhile:
+# see `TierkvOffloadingManager.lookup`), so that costs fewer round trips a step.
+# Its hits are not pinned longer: pins hold rows a small CPU tier needs.
+QUEUED_STEPS = HIT_STEPS
 NEVER = 1 << 62  # a step no engine reaches
 STATUS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
           "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
@@ -77,6 +84,7 @@ class RequestLookups:
     asked: bool = False  # vLLM has scanned it
     tiered: bool = False  # an answer of it was RETRY or HIT_PENDING: a tier holds a key
     ahead: Any = None  # its chains to look up before vLLM asks, once made
+    ahead_keys: frozenset[bytes] = frozenset()  # the keys of `ahead`
     expires: int = NEVER  # none of its answers expires before this step
 
 
@@ -93,10 +101,14 @@ class KnownPresent:
         self._seen: dict[bytes, float] = {}  # oldest first
 
     def add(self, key: bytes) -> None:
-        seen = self._seen
-        seen.pop(key, None)
-        seen[key] = time.monotonic()
-        if len(seen) > self.most:
+        self.add_all((key,))
+
+    def add_all(self, keys: Iterable[bytes]) -> None:
+        seen, now = self._seen, time.monotonic()
+        for key in keys:
+            seen.pop(key, None)
+            seen[key] = now
+        while len(seen) > self.most:
             del seen[next(iter(seen))]
 
     def has(self, key: bytes) -> bool:
@@ -160,10 +172,10 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
         statuses = found.statuses
         sources = found.sources or [None] * len(chain)
     answers: dict[bytes, Answer] = {}
+    hit, region, key = LookupResult.HIT, found.region, keymap.key
     for chunk, status, row, source in zip(chain, statuses, rows, sources, strict=True):
         if status == "hit" and row >= 0:
-            answers[chunk] = Answer(LookupResult.HIT, until, row, [keymap.key(chunk)],
-                                    source, found.region)
+            answers[chunk] = Answer(hit, until, row, [key(chunk)], source, region)
         else:  # a hit whose pin was refused (the owner's share) reads as a miss
             name = "miss" if status == "hit" else status
             answer = others.get(name)

@@ -76,6 +76,7 @@ from tierkv.vllm.lookups import (
     AGAIN,
     HIT_STEPS,
     NEVER,
+    QUEUED_STEPS,
     Answer,
     KnownPresent,
     RequestLookups,
@@ -159,6 +160,8 @@ class TierkvOffloadingManager(OffloadingManager):
             answer = state.answers.get(key)
             if answer is None or answer.until < self._step:
                 answer = self._answer_now(state, key)
+        elif answer.status is LookupResult.MISS and self.present.has(self.keymap.key(key)):
+            answer = self._answer_again(state, key, answer)
         if not state.asked:  # queued until now (an answer it waited for above serves)
             state.asked = True
             self._queued.pop(req_context.req_id, None)
@@ -179,6 +182,19 @@ class TierkvOffloadingManager(OffloadingManager):
         state = self._requests.get(req_context.req_id)
         answer = state.answers.get(key) if state is not None else None
         return self.tiers.hit_source(answer.source if answer is not None else None)
+
+    def _answer_again(self, state: RequestLookups, key: bytes, stale: Answer) -> Answer:
+        """A miss this engine has seen stored since it was answered (a queued request's
+        answers serve steps): the request's answers that are not hits are dropped
+        (they hold nothing, and are as old) and looked up now if the step's budget
+        allows; otherwise the miss stands (computed, never a step of waiting)."""
+        answers = state.answers
+        for chunk in [c for c, a in answers.items() if a.status is not LookupResult.HIT]:
+            del answers[chunk]
+        answer = self._answer_now(state, key)
+        if answer is None:
+            answers[key] = answer = stale
+        return answer
 
     def _answer_now(self, state: RequestLookups, key: bytes) -> Answer | None:
         """An answer this step can give without going past its budget, or None."""
@@ -250,6 +266,7 @@ class TierkvOffloadingManager(OffloadingManager):
             chain = chain[-most:] if group in self.window_groups else chain[:most]
             picked.append((ctx.req_id, group, [k for _, k in chain]))
         state.ahead = picked
+        state.ahead_keys = frozenset(k for _, _, keys in picked for k in keys)
         return picked
 
     def _refresh_queue_head(self, until: int) -> None:
@@ -269,11 +286,13 @@ class TierkvOffloadingManager(OffloadingManager):
             if state.tiered:
                 continue  # looked up again, it would start promotions for it again
             answers = state.answers
+            ahead = self._chains_ahead(state)
+            if not state.ahead_keys.difference(answers):
+                continue  # every key answered (the common case: a set difference in C)
             # Keys of its last look-up still on their way are not asked twice.
             coming = state.coming if state.prefetch is not None and not state.prefetch.done \
                 else ()
-            missing = [(req_id, group, lacking) for req_id, group, chain
-                       in self._chains_ahead(state)
+            missing = [(req_id, group, lacking) for req_id, group, chain in ahead
                        if (lacking := [k for k in chain if k not in answers
                                        and k not in coming])]
             if missing:
@@ -315,7 +334,10 @@ class TierkvOffloadingManager(OffloadingManager):
             if until < self._step and state is not None and (
                     req_id in self._queued or self._deferred(state)):
                 until = self._step  # late, but the freshest there is for it
-            answers = read_answers(chain, found, keymap, until)
+            # A queued request's misses serve as long as its hits: it is looked up
+            # again whenever its answers expire, until vLLM scans it.
+            served = until + QUEUED_STEPS - 1 if req_id in self._queued else until
+            answers = read_answers(chain, found, keymap, served)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)
             if (not told or state is None or carried.generation != self.generation
@@ -323,20 +345,21 @@ class TierkvOffloadingManager(OffloadingManager):
                 self.holdings.release(pins)
                 continue
             self.rounds.stats.increase_counter(Metrics.LOOKUP_KEYS, len(chain))
-            hits = 0
+            kept, asks, release = state.answers, state.asks, self.holdings.release
+            hit_until = until + HIT_STEPS - 1
             for chunk, answer in answers.items():
-                old = state.answers.get(chunk)
-                if old is not None:
-                    self.holdings.release(old.pinned)
-                if answer.status is LookupResult.HIT:
-                    answer.until = until + HIT_STEPS - 1
-                    hits += 1
-                    self.present.add(answer.pinned[0])
-                state.answers[chunk] = answer
-                state.asks.pop(chunk, None)
+                old = kept.get(chunk)
+                if old is not None and old.pinned:
+                    release(old.pinned)
+                if answer.pinned:  # a hit
+                    answer.until = hit_until
+                kept[chunk] = answer
+                if asks:
+                    asks.pop(chunk, None)
+            self.present.add_all(pins)
             state.tiered = state.tiered or any(a.status in AGAIN for a in answers.values())
-            state.expires = min(state.expires, until)
-            self.rounds.stats.increase_counter(Metrics.HIT_KEYS, hits)
+            state.expires = min(state.expires, served)
+            self.rounds.stats.increase_counter(Metrics.HIT_KEYS, len(pins))
 
     # -- loads -----------------------------------------------------------------------
 
