@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from tests.vllm.conftest import (
     SHAPE,
     chunk_keys,
@@ -252,30 +254,42 @@ def test_a_queued_request_is_looked_up_again_only_as_its_answers_expire(start_no
     assert not m.holdings.pins
 
 
-def test_a_queued_request_finds_what_this_engine_stored_while_it_waited(start_node,
-                                                                       engine_on):
+@pytest.mark.parametrize("stored_when", ["before the step's end", "after it"])
+def test_a_queued_request_finds_what_this_engine_stored_while_it_waited(
+        start_node, engine_on, stored_when):
     """Many requests share a prefix: one computes and stores it while another waits
-    in the queue with misses for it, answers that still serve. When vLLM asks, a
-    miss this engine has seen stored since is looked up again: the waiting request
-    loads the prefix, as with vLLM's own manager, rather than computing it again."""
+    in the queue with misses for it, answers that still serve. Those misses are
+    looked up again, at the step's end that follows the store or, stored after it,
+    when vLLM asks: the waiting request loads the prefix, as with vLLM's own
+    manager, rather than computing it again."""
     from vllm.v1.kv_offload.base import LookupResult
 
     node = start_node(cpu_blocks=256)
-    m = manager_of(engine_on(node))
+    before = stored_when == "before the step's end"
+    # Stored before: the step's end looks them up (no round trip of its own in the
+    # step: `sync_lookups` 0). After: the step that asks, within its budget.
+    m = manager_of(engine_on(node, sync_lookups=0 if before else 2))
     keys = chunk_keys(4, seed=9)
     waiting, writing = request("waiting", keys), request("writing", keys)
     with m.lock:
         m.prefetch(waiting)
     for call in list(m.rounds.prefetches):
         assert call.wait(10.0)
-    with m.lock:
-        out = m.prepare_store(keys, writing)
-        assert out is not None and out.keys_to_store == keys
-        m.complete_store(set(keys), writing)
-    time.sleep(m.options.flush_s * 2)  # the commit is due: the step's end sends it
+
+    def store() -> None:
+        with m.lock:
+            out = m.prepare_store(keys, writing)
+            assert out is not None and out.keys_to_store == keys
+            m.complete_store(set(keys), writing)
+        time.sleep(m.options.flush_s * 2)  # the commit is due: the step's end sends it
+
+    if before:
+        store()
     end_step(m)  # takes the waiting request's misses, which serve steps yet
+    if not before:
+        store()
     with m.lock:
-        assert all(m.lookup(k, waiting) is LookupResult.HIT for k in keys)
+        assert [m.lookup(k, waiting) for k in keys] == [LookupResult.HIT] * len(keys)
         m.on_request_finished(waiting)
     settle(m)
     assert not m.holdings.pins

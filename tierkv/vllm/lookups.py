@@ -140,6 +140,14 @@ def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],
     return chains
 
 
+def forget_misses(state: RequestLookups) -> None:
+    """Drop a request's answers that are not hits (they hold nothing), to look them
+    up again: one of them went stale."""
+    answers = state.answers
+    for chunk in [c for c, a in answers.items() if a.status is not LookupResult.HIT]:
+        del answers[chunk]
+
+
 def head_first(keys: Iterable[bytes], ctx: ReqContext) -> list[bytes]:
     """`keys` in the request's order, first block first (vLLM's public getter)."""
     return sorted(keys, key=lambda k: ctx.get_offload_key_position(OffloadKey(k)) or 0)

@@ -82,6 +82,7 @@ from tierkv.vllm.lookups import (
     RequestLookups,
     asked_chains,
     chain_for,
+    forget_misses,
     head_first,
     read_answers,
 )
@@ -131,6 +132,7 @@ class TierkvOffloadingManager(OffloadingManager):
                              self._take_step, options.spare_rows)
         self.spares = self.rounds.spares
         self.present = KnownPresent()
+        self._stored_now: set[bytes] = set()  # chunks this engine stored since the step's end
         self.link = self.rounds.link
         self.holdings = self.rounds.holdings
         self._lock = threading.Lock()
@@ -188,12 +190,10 @@ class TierkvOffloadingManager(OffloadingManager):
         answers serve steps): the request's answers that are not hits are dropped
         (they hold nothing, and are as old) and looked up now if the step's budget
         allows; otherwise the miss stands (computed, never a step of waiting)."""
-        answers = state.answers
-        for chunk in [c for c, a in answers.items() if a.status is not LookupResult.HIT]:
-            del answers[chunk]
+        forget_misses(state)
         answer = self._answer_now(state, key)
         if answer is None:
-            answers[key] = answer = stale
+            state.answers[key] = answer = stale
         return answer
 
     def _answer_now(self, state: RequestLookups, key: bytes) -> Answer | None:
@@ -273,10 +273,13 @@ class TierkvOffloadingManager(OffloadingManager):
         """Look up again, in a round trip of their own, the keys without an answer for
         step `until` of the first `prefetch_requests` requests in vLLM's queue: vLLM
         asks about them once running requests make room (often many in one step), and
-        they are answered in the step that asks. Not a request a slower tier serves
+        they are answered in the step that asks. With them, the misses of a request
+        whose keys this engine stored in the step (its misses serve steps, and many
+        requests share a prefix). Not a request a slower tier serves
         (its blocks are being promoted, or were): each look-up would start its
         promotions again, and a CPU tier too small for the queue would evict blocks
         promoted for one queued request to promote another's."""
+        stored_now, self._stored_now = self._stored_now, set()
         if self.rounds.down:
             return
         stale: list[tuple[RequestLookups, set[bytes]]] = []
@@ -287,6 +290,8 @@ class TierkvOffloadingManager(OffloadingManager):
                 continue  # looked up again, it would start promotions for it again
             answers = state.answers
             ahead = self._chains_ahead(state)
+            if stored_now and not stored_now.isdisjoint(state.ahead_keys):
+                forget_misses(state)  # a miss of it may be one this engine just stored
             if not state.ahead_keys.difference(answers):
                 continue  # every key answered (the common case: a set difference in C)
             # Keys of its last look-up still on their way are not asked twice.
@@ -485,6 +490,7 @@ class TierkvOffloadingManager(OffloadingManager):
             key = self.holdings.end_store(bytes(chunk), req_context.req_id, success)
             if success and key is not None:
                 self.present.add(key)
+                self._stored_now.add(bytes(chunk))
 
     def storing(self, spec: TierkvLoadStoreSpec) -> bool:
         """Whether the store job of `spec` still holds a reservation."""
