@@ -293,3 +293,31 @@ def test_a_queued_request_finds_what_this_engine_stored_while_it_waited(
         m.on_request_finished(waiting)
     settle(m)
     assert not m.holdings.pins
+
+
+def test_a_block_this_engine_stored_and_the_node_evicted_is_stored_again(start_node,
+                                                                         engine_on):
+    """The engine remembers what it stored (stores of it are skipped). Evicted since,
+    a waiting request's miss for it is looked up again once, and the miss it finds
+    again makes the engine forget it: the next store of it writes it."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=16, disk_blocks=0)  # evicted is gone: no disk tier
+    m = manager_of(engine_on(node, spare_rows=0))
+    keys = chunk_keys(1, seed=10)  # a leading run's first miss: known absent
+    stored(m, keys)
+    with Client.from_config(node.config) as other:
+        others = [bytes([40, i]) * 16 for i in range(16)]
+        other.reserve(others, "filler")
+        other.commit(others)
+        assert other.lookup(m.keymap.keys(keys)).hits == 0  # evicted
+    waiting = request("waiting", keys)
+    with m.lock:
+        m.prefetch(waiting)
+    for call in list(m.rounds.prefetches):
+        assert call.wait(10.0)
+    end_step(m)
+    with m.lock:
+        assert m.lookup(keys[0], waiting) is LookupResult.MISS
+        out = m.prepare_store(keys, request("again", keys))
+    assert out is not None and out.keys_to_store == keys

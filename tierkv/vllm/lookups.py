@@ -93,7 +93,8 @@ class KnownPresent:
     store of one of them is skipped without asking: with rows reserved ahead
     (`spares.py`) nobody else would say it is there. Knowledge older than `ttl_s` is
     forgotten (the node may have evicted it since: then a store is skipped that
-    was needed, a miss later, never wrong bytes)."""
+    was needed, a miss later, never wrong bytes), and so is a key a lookup found
+    absent as the first miss of a leading run."""
 
     def __init__(self, ttl_s: float = 10.0, most: int = 1 << 16) -> None:
         self.ttl_s = ttl_s
@@ -110,6 +111,10 @@ class KnownPresent:
             seen[key] = now
         while len(seen) > self.most:
             del seen[next(iter(seen))]
+
+    def forget(self, key: bytes) -> None:
+        """The node said it does not hold `key` after all (evicted since)."""
+        self._seen.pop(key, None)
 
     def has(self, key: bytes) -> bool:
         when = self._seen.get(key)

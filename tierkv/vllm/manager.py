@@ -189,11 +189,14 @@ class TierkvOffloadingManager(OffloadingManager):
         """A miss this engine has seen stored since it was answered (a queued request's
         answers serve steps): the request's answers that are not hits are dropped
         (they hold nothing, and are as old) and looked up now if the step's budget
-        allows; otherwise the miss stands (computed, never a step of waiting)."""
+        allows; otherwise the miss stands (computed, never a step of waiting). A miss
+        again: the node evicted it since, and it is no longer known present."""
         forget_misses(state)
         answer = self._answer_now(state, key)
         if answer is None:
             state.answers[key] = answer = stale
+        elif answer.status is LookupResult.MISS:
+            self.present.forget(self.keymap.key(key))
         return answer
 
     def _answer_now(self, state: RequestLookups, key: bytes) -> Answer | None:
