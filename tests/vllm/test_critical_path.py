@@ -136,6 +136,12 @@ def test_calls_are_answered_in_order_and_one_given_up_comes_back_late(start_node
 
 
 
+def looked_up_ahead(m) -> None:
+    """Wait (bounded) for the manager's look-ups sent ahead of vLLM's asks."""
+    for call in list(m.rounds.prefetches):
+        assert call.wait(10.0)
+
+
 def four_requests_two_slots(node, max_tokens: tuple[int, ...], **options) -> dict[str, int]:
     """Four requests on an engine that runs two at most, the third's prefix stored
     by another engine first (a hit), the others new (misses): how many times vLLM
@@ -205,8 +211,7 @@ def test_a_preempted_request_is_answered_when_vllm_scans_it_again(start_node, en
         assert [m.lookup(k, ctx) for k in keys[:3]] == expected  # vLLM's scan stops
         m.on_schedule_end(ScheduleEndContext((), ("p",)))
     for _ in range(2 * HIT_STEPS):  # steps in which vLLM has no room for it
-        for call in list(m.rounds.prefetches):
-            assert call.wait(10.0)
+        looked_up_ahead(m)
         end_step(m)
     with m.lock:
         assert [m.lookup(k, ctx) for k in keys[:3]] == expected
@@ -219,8 +224,7 @@ def queued_lookups(m, steps: int, other: Client) -> int:
     """The broker's lookups while `ctx` waits in vLLM's queue for `steps` steps."""
     before = other.stats()["cpu"]["lookups"]
     for _ in range(steps):
-        for call in list(m.rounds.prefetches):
-            assert call.wait(10.0)
+        looked_up_ahead(m)
         end_step(m)
     return other.stats()["cpu"]["lookups"] - before
 
@@ -273,8 +277,7 @@ def test_a_queued_request_finds_what_this_engine_stored_while_it_waited(
     waiting, writing = request("waiting", keys), request("writing", keys)
     with m.lock:
         m.prefetch(waiting)
-    for call in list(m.rounds.prefetches):
-        assert call.wait(10.0)
+    looked_up_ahead(m)
 
     def store() -> None:
         with m.lock:
@@ -314,8 +317,7 @@ def test_a_block_this_engine_stored_and_the_node_evicted_is_stored_again(start_n
     waiting = request("waiting", keys)
     with m.lock:
         m.prefetch(waiting)
-    for call in list(m.rounds.prefetches):
-        assert call.wait(10.0)
+    looked_up_ahead(m)
     end_step(m)
     with m.lock:
         assert m.lookup(keys[0], waiting) is LookupResult.MISS

@@ -145,12 +145,14 @@ def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],
     return chains
 
 
-def forget_misses(state: RequestLookups) -> None:
+def forget_misses(state: RequestLookups) -> dict[bytes, Answer]:
     """Drop a request's answers that are not hits (they hold nothing), to look them
-    up again: one of them went stale."""
+    up again: one of them went stale. Returns them."""
     answers = state.answers
-    for chunk in [c for c, a in answers.items() if a.status is not LookupResult.HIT]:
+    dropped = {c: a for c, a in answers.items() if a.status is not LookupResult.HIT}
+    for chunk in dropped:
         del answers[chunk]
+    return dropped
 
 
 def head_first(keys: Iterable[bytes], ctx: ReqContext) -> list[bytes]:

@@ -189,13 +189,14 @@ class TierkvOffloadingManager(OffloadingManager):
         """A miss this engine has seen stored since it was answered (a queued request's
         answers serve steps): the request's answers that are not hits are dropped
         (they hold nothing, and are as old) and looked up now if the step's budget
-        allows; otherwise the miss stands (computed, never a step of waiting). A miss
+        allows; otherwise they stand (computed, never a step of waiting). A miss
         again: the node evicted it since, and it is no longer known present."""
-        forget_misses(state)
+        dropped = forget_misses(state)
         answer = self._answer_now(state, key)
         if answer is None:
-            state.answers[key] = answer = stale
-        elif answer.status is LookupResult.MISS:
+            state.answers.update(dropped)
+            return stale
+        if answer.status is LookupResult.MISS:
             self.present.forget(self.keymap.key(key))
         return answer
 
@@ -490,10 +491,11 @@ class TierkvOffloadingManager(OffloadingManager):
                        success: bool = True) -> None:
         # Tail first: a commit inserts into the node's policy, the last most recent.
         for chunk in self._tail_first(keys, req_context):
-            key = self.holdings.end_store(bytes(chunk), req_context.req_id, success)
+            chunk = bytes(chunk)
+            key = self.holdings.end_store(chunk, req_context.req_id, success)
             if success and key is not None:
                 self.present.add(key)
-                self._stored_now.add(bytes(chunk))
+                self._stored_now.add(chunk)
 
     def storing(self, spec: TierkvLoadStoreSpec) -> bool:
         """Whether the store job of `spec` still holds a reservation."""
