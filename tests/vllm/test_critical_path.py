@@ -323,3 +323,27 @@ def test_a_block_this_engine_stored_and_the_node_evicted_is_stored_again(start_n
         assert m.lookup(keys[0], waiting) is LookupResult.MISS
         out = m.prepare_store(keys, request("again", keys))
     assert out is not None and out.keys_to_store == keys
+
+
+def test_a_stale_miss_with_no_budget_left_leaves_the_request_s_answers_standing(
+        start_node, engine_on):
+    """A miss of a block this engine stored since is looked up again only within
+    the step's budget; with none left, the request's misses stand (computed), none
+    turns into a RETRY (a step of waiting) for a scan that goes on past a miss."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node, sync_lookups=0))
+    keys = chunk_keys(2, seed=11)
+    waiting, writing = request("waiting", keys), request("writing", keys[:1])
+    with m.lock:
+        m.prefetch(waiting)
+    looked_up_ahead(m)
+    end_step(m)  # takes its misses, which serve steps yet
+    with m.lock:
+        out = m.prepare_store(keys[:1], writing)
+        assert out is not None and out.keys_to_store == keys[:1]
+        m.complete_store(set(keys[:1]), writing)
+        assert [m.lookup(k, waiting) for k in keys] == [LookupResult.MISS] * 2
+        m.on_request_finished(waiting)
+    settle(m)
