@@ -191,6 +191,7 @@ class StepOps:
         if pin:
             out["rows"] = np.asarray(rows, np.int32).tobytes()
             out["region"] = self.core.region_id
+            out["pin_s"] = self.core.owners.pin_s
 
     def _pin_hits(self, owner: Owner, keys: list[OffloadKey], req_id: str | None, hits: int,
                   status: list[int] | None) -> list[int]:
@@ -227,6 +228,7 @@ class StepOps:
         each("pin", pin)
         out["pinned"] = pinned.tobytes()
         out["region"] = self.core.region_id
+        out["pin_s"] = self.core.owners.pin_s
 
     def _reserve(self, owner: Owner, groups: _Groups, out: dict[str, Any]) -> None:
         core = self.core

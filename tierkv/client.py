@@ -84,6 +84,7 @@ class Lookup:
     sources: list[str | None] | None = None  # per key: the tier a hit was promoted from
     rows: list[int] | None = None  # per key, when pinned: the hit's CPU block id, else -1
     region: str = ""  # when pinned: the CPU region the rows name (`SharedRegion.generation`)
+    pin_s: float = 0.0  # when pinned: how long the broker holds the pins (`broker.pin_s`)
 
     def __repr__(self) -> str:
         extra = "".join(f", {name}={getattr(self, name)!r}"
@@ -792,8 +793,10 @@ class _Answers:
         if self.batch._pin:
             a, b = self._span("lookup", index)
             rows = self._array("rows", "<i4")[a:b]
-        return Lookup(hits, state != 0, state == 2, statuses, sources, rows,
-                      self.r.region if rows is not None else "")
+        if rows is None:
+            return Lookup(hits, state != 0, state == 2, statuses, sources)
+        return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,
+                      self.r.pin_s)
 
 
 def _ms_left(deadline: float) -> int:

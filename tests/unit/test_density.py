@@ -250,3 +250,23 @@ def test_a_request_asked_again_is_the_same_request(name):
 
     once = prefix_hit_ratio(trace, PrimaryTier(cap, "hitdensity"))
     assert prefix_hit_ratio(trace, AskedThrice(cap, "hitdensity")) == once
+
+
+@pytest.mark.parametrize("name", ["chat", "agent"])
+def test_a_request_asked_again_about_part_of_its_chain_keeps_its_blocks(name):
+    """An engine holding answers for a waiting request's first blocks looks up only
+    the rest (its leading run's tail; a sliding-window scan's head). Noted as the
+    whole request, that part once took the request's place: the blocks it did not
+    name lost their request and their class, and were evicted sooner."""
+    trace = generate_workload(name, 1500, seed=1)
+    cap = 400
+
+    class AskedAboutParts(PrimaryTier):
+        def note_request(self, req_id, keys, hints, now):  # noqa: ANN001, ANN201
+            super().note_request(req_id, keys, hints, now)
+            half = len(keys) // 2
+            super().note_request(req_id, list(keys[half:]), hints, now)
+            super().note_request(req_id, list(keys[:half + 1]), hints, now)
+
+    once = prefix_hit_ratio(trace, PrimaryTier(cap, "hitdensity"))
+    assert prefix_hit_ratio(trace, AskedAboutParts(cap, "hitdensity")) == once

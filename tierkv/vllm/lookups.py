@@ -22,7 +22,9 @@ is asked again at each step's end whose answers for it expire, until vLLM asks
 about it (vLLM does only once it has room for it), and an answer for it that comes
 back a step late still serves: its next ask finds one. A queued request's answers
 that are not hits serve longer (`QUEUED_STEPS`); a miss among them for a key this
-engine has seen stored since is looked up again when vLLM asks.
+engine has seen stored since is looked up again when vLLM asks. Its hits, while it
+is at the queue's head, are kept without asking again as long as the broker surely
+holds their pins (`PIN_TRUSTED` of `broker.pin_s`, which the reply says).
 
 Full-attention groups are looked up as leading runs (the broker stops promoting at
 the first key no tier holds); a model with a sliding-window group is looked up key
@@ -49,8 +51,10 @@ HIT_STEPS = 4  # steps a hit vLLM did not load stays pinned for its request
 # A request in vLLM's queue is looked up again whenever its answers expire, until
 # vLLM scans it: its misses serve as long as hits (a miss may go stale meanwhile:
 # see `TierkvOffloadingManager.lookup`), so that costs fewer round trips a step.
-# Its hits are not pinned longer: pins hold rows a small CPU tier needs.
 QUEUED_STEPS = HIT_STEPS
+# The share of the broker's pin deadline (`broker.pin_s`) a hit is kept for without
+# asking again, while its request waits at the head of vLLM's queue.
+PIN_TRUSTED = 0.5
 NEVER = 1 << 62  # a step no engine reaches
 STATUS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
           "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
@@ -69,6 +73,7 @@ class Answer:
     pinned: list[bytes] = field(default_factory=list)
     source: str | None = None
     region: str = ""
+    held_until: float = 0.0  # CLOCK_MONOTONIC: the broker holds its pin at least till then
 
 
 @dataclass(slots=True)
@@ -169,9 +174,10 @@ def asked_chains(state: RequestLookups) -> dict[int, list[bytes]]:
 
 
 def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
-                 until: int) -> dict[bytes, Answer]:
+                 until: int, asked_at: float) -> dict[bytes, Answer]:
     """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
-    lookup failed, every chunk a miss."""
+    lookup failed, every chunk a miss. `asked_at`: when the lookup was made, before
+    the broker pinned anything."""
     # Answers that are not hits hold nothing and are never changed: one of each
     # status serves every chunk (an engine step makes thousands). Keyed by the
     # status's name: an enum member's hash is a Python call.
@@ -188,9 +194,10 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
         sources = found.sources or [None] * len(chain)
     answers: dict[bytes, Answer] = {}
     hit, region, key = LookupResult.HIT, found.region, keymap.key
+    held_until = asked_at + found.pin_s * PIN_TRUSTED
     for chunk, status, row, source in zip(chain, statuses, rows, sources, strict=True):
         if status == "hit" and row >= 0:
-            answers[chunk] = Answer(hit, until, row, [key(chunk)], source, region)
+            answers[chunk] = Answer(hit, until, row, [key(chunk)], source, region, held_until)
         else:  # a hit whose pin was refused (the owner's share) reads as a miss
             name = "miss" if status == "hit" else status
             answer = others.get(name)

@@ -346,7 +346,7 @@ class TierkvOffloadingManager(OffloadingManager):
             # A queued request's misses serve as long as its hits: it is looked up
             # again whenever its answers expire, until vLLM scans it.
             served = until + QUEUED_STEPS - 1 if req_id in self._queued else until
-            answers = read_answers(chain, found, keymap, served)
+            answers = read_answers(chain, found, keymap, served, carried.opened)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)
             if (not told or state is None or carried.generation != self.generation
@@ -528,18 +528,25 @@ class TierkvOffloadingManager(OffloadingManager):
         self.rounds.catch_up()
         step = self._step
         self._requeue(context.preempted_req_ids)
+        head = self._queue_head()
+        now = time.monotonic()
         for req_id, state in self._requests.items():
             if state.expires > step:
                 continue
             # A request vLLM deferred is asked about again only when it has room for
             # it, often steps later: until then its answers are kept fresh.
             deferred = req_id not in self._queued and self._deferred(state)
+            waiting = req_id in head
             for chunk, answer in list(state.answers.items()):
-                if answer.until <= step:
-                    self.holdings.release(answer.pinned)
-                    del state.answers[chunk]
-                    if deferred:
-                        state.asks[chunk] = None
+                if answer.until > step:
+                    continue
+                if waiting and answer.held_until > now and answer.region == self.spares.region:
+                    answer.until = step + QUEUED_STEPS  # its pin holds: no need to ask
+                    continue
+                self.holdings.release(answer.pinned)
+                del state.answers[chunk]
+                if deferred:
+                    state.asks[chunk] = None
             state.expires = min((a.until for a in state.answers.values()), default=NEVER)
         self.spares.step_ended()
         owed = self.holdings.owed
@@ -559,6 +566,11 @@ class TierkvOffloadingManager(OffloadingManager):
         self._sync_left = self.options.sync_lookups
         self._flush_waited = False
         self._idle = False
+
+    def _queue_head(self) -> set[str]:
+        """The requests at the head of vLLM's queue: kept answered until it scans them
+        (`_refresh_queue_head`), their hits held while the broker holds their pins."""
+        return set(islice(self._queued, self.options.prefetch_requests))
 
     def _requeue(self, preempted: Iterable[str]) -> None:
         """vLLM puts a request it preempts back at the head of its queue, and scans it

@@ -62,6 +62,7 @@ class Carried:
     spares: list[bytes] = field(default_factory=list)  # spare keys reserved (`spares.py`)
     new_spares: int = 0  # of which new (the rest renewed)
     spares_slot: int = -1  # their reserve's result slot
+    opened: float = field(default_factory=time.monotonic)  # before the broker saw it
 
 
 TakeLookups = Callable[[Carried, Sequence[Any] | None, bool], None]

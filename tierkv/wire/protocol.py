@@ -278,6 +278,10 @@ class OpsResult:
     # The CPU region the block ids above name (`SharedRegion.generation`): a broker
     # restarted on the same instance makes a new one, and ids of the old are void.
     region: str = ""
+    # How long the pins this reply took are held unless released or taken again
+    # (`broker.pin_s`; 0: it took none): a client may keep a hit that long without
+    # asking again, counting from before it sent the request.
+    pin_s: float = 0.0
 
 
 LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")

@@ -164,6 +164,17 @@ def _classify(uses: int, info: int, session: Any) -> int:
     return (info & 3) * 4 + (info >> 3)
 
 
+def _within(keys: Sequence[Any], chain: Sequence[Any]) -> bool:
+    """Whether `keys` are the request's noted `chain` or a part of it (a run from
+    either end, the common cases, checked without a set)."""
+    n = len(keys)
+    if n > len(chain):
+        return False
+    if n == len(chain):
+        return keys == chain
+    return (keys == chain[len(chain) - n:] or keys == chain[:n]
+            or set(keys).issubset(chain))
+
 class HitDensityPolicy(CachePolicy[K, V]):
     name = "hitdensity"
 
@@ -549,10 +560,12 @@ class HitDensityPolicy(CachePolicy[K, V]):
         self._tick(now)
         old = self._reqs.pop(req_id, None)
         if old is not None:
-            if old[2] == hints and old[0] == keys:
+            if old[2] == hints and _within(keys, old[0]):
                 # The same request asked again (an engine looks a waiting request
-                # up every step): as it was. Noted anew, its own last block would
-                # read as its session's previous turn, one turn more each time.
+                # up every step), or about part of its chain (the keys it holds no
+                # answer for): as it was. Noted anew, its own last block would read
+                # as its session's previous turn, one turn more each time, and the
+                # blocks it did not ask about would lose their request.
                 self._reqs[req_id] = old
                 return
             self._forget(old)
