@@ -11,6 +11,8 @@ node holds is read back by a client of its own.
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
@@ -146,6 +148,51 @@ def test_a_commit_owed_while_the_broker_was_stopped_is_not_dropped(start_node, e
         node.kill("broker", signal.SIGCONT)
     settle(m)
     assert node_statuses(node, m.keymap.keys(keys)) == ["hit", "hit"]
+
+
+def idle(manager, timeout_s: float = 10.0) -> None:
+    """vLLM's engine loop once it has no request left: one more step for each True of
+    `has_pending_work`, then nothing until a request comes (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with manager.lock:
+            if not manager.has_pending_work():
+                return
+        end_step(manager)
+        assert time.monotonic() < deadline, "the engine never went idle"
+
+
+def test_an_engine_going_idle_while_the_broker_is_slow_still_commits_its_stores(
+        start_node, engine_on):
+    """vLLM stops stepping an engine with no request left once `has_pending_work`
+    says no. An engine whose broker was slow (a round trip out past
+    `lookup_wait_ms`, as with two engines busy on two cores) said no while it owed
+    its stores' commits: the blocks stayed reserved, being written, and another
+    engine's requests for them were told RETRY, every step, until the broker
+    withdrew the reservations (`broker.reservation_s`, 60 s)."""
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node, spare_rows=0, lookup_wait_ms=100.0))
+    keys = chunk_keys(2, seed=13)
+    ctx = request("w", keys)
+    with m.lock:
+        assert m.prepare_store(keys, ctx).keys_to_store == keys  # reserved: being written
+        m.complete_store(set(keys), ctx)  # its commit is owed, sent at a step's end
+    node.kill("broker", signal.SIGSTOP)  # slow: nothing answers for a while
+    try:
+        with m.lock:
+            m.prefetch(request("new", chunk_keys(2, seed=14)))  # a round trip now out
+        time.sleep(m.options.lookup_wait_ms / 1e3 + 0.05)
+        engine = threading.Thread(target=idle, args=(m,))
+        engine.start()
+        time.sleep(0.2)
+    finally:
+        node.kill("broker", signal.SIGCONT)
+    engine.join(15.0)
+    assert not engine.is_alive()
+    deadline = time.monotonic() + 10.0
+    while node_statuses(node, m.keymap.keys(keys)) != ["hit", "hit"]:
+        assert time.monotonic() < deadline, m.holdings.owed  # committed, not left owed
+        time.sleep(0.05)
 
 
 # -- item 6: any order converges ----------------------------------------------------------

@@ -112,6 +112,11 @@ class BrokerLink:
         self._out.append(call)
         return call
 
+    def wait_oldest(self, seconds: float) -> None:
+        """Wait up to `seconds` for the oldest call out (if any) to end."""
+        if self._out:
+            self.pump(self._out[0], seconds)
+
     def stalled(self, seconds: float) -> bool:
         """The oldest call out has been out longer than `seconds`."""
         return bool(self._out) and time.monotonic() - self._out[0].sent_at > seconds

@@ -96,6 +96,8 @@ log = logging.getLogger("tierkv.vllm")
 SHUTDOWN_LOCK_S = 5.0  # a step that raised may have left the lock held on this thread
 FLUSH_KEYS = MAX_STEP_KEYS // 2  # asked keys per end-of-step round trip (the rest wait)
 FLUSH_GROUPS = MAX_GROUPS // 2
+IDLE_WAIT_S = 0.01  # an idle engine waiting on a slow broker asks again this often
+IDLE_STALL_S = 5.0  # and for this long: past it the broker hangs (its supervisor's matter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,10 +612,19 @@ class TierkvOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         """vLLM asks this only when it has no request left: what is owed or asked goes
-        at the end of the one more step a True buys."""
+        at the end of the one more step a True buys. With a round trip out past
+        `lookup_wait_ms` (a slow broker) it waits for it a little each time it is
+        asked, rather than spin, and says no only once the broker seems hung
+        (`IDLE_STALL_S`): had it said no while it owed the broker, vLLM would step it
+        no more until a request came, and its stores' blocks would stay reserved,
+        other engines told RETRY for them until the broker withdrew them
+        (`broker.reservation_s`)."""
         self.rounds.catch_up()
-        if self.rounds.down or self.link.stalled(self.options.lookup_wait_ms / 1e3):
+        if self.rounds.down or self.link.stalled(IDLE_STALL_S):
             return False  # nothing to do until the broker answers: do not spin
+        if self.link.stalled(self.options.lookup_wait_ms / 1e3):
+            self.link.wait_oldest(IDLE_WAIT_S)
+            self.rounds.catch_up()
         self._idle = bool(self.holdings.owed or self.rounds.flush is not None or any(
             s.asks for s in self._requests.values()))
         return self._idle
