@@ -258,32 +258,45 @@ def test_a_queued_request_is_looked_up_again_only_as_its_answers_expire(start_no
     assert not m.holdings.pins
 
 
+def queued_with_hits(node, engine_on, req_id: str, seed: int):
+    """An engine on `node` and a request of four chunks it stored, added (looked up
+    ahead) and waiting in vLLM's queue."""
+    m = manager_of(engine_on(node, sync_lookups=0))
+    keys = chunk_keys(4, seed=seed)
+    stored(m, keys)
+    ctx = request(req_id, keys)
+    with m.lock:
+        m.prefetch(ctx)
+    return m, keys, ctx
+
+
+def scanned_as_hits(m, keys, ctx, other: Client) -> None:
+    """vLLM scans the request at last: every chunk a hit. It finishes; the engine
+    let go of its pins, none of which the broker had to expire."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+        m.on_request_finished(ctx)
+    settle(m)
+    assert other.stats()["owners"]["pins_expired"] == 0
+    assert not m.holdings.pins
+
+
 def test_a_queued_request_s_hits_are_held_while_it_waits_not_looked_up_again(start_node,
                                                                             engine_on):
     """At the head of vLLM's queue, a request's hits stay pinned for it: the broker
     holds a pin for `broker.pin_s`, which its reply says, so they are kept without a
     lookup for a share of that however many steps the request waits, and they are
     still hits when vLLM asks."""
-    from vllm.v1.kv_offload.base import LookupResult
-
     node = start_node(cpu_blocks=256)
-    m = manager_of(engine_on(node, sync_lookups=0))
-    keys = chunk_keys(4, seed=10)
-    stored(m, keys)
-    ctx = request("held", keys)
-    with m.lock:
-        m.prefetch(ctx)
+    m, keys, ctx = queued_with_hits(node, engine_on, "held", seed=10)
     looked_up_ahead(m)
     end_step(m)  # its answers taken: every key a hit
     with Client.from_config(node.config) as other:
         # Renewed by lookups, it was looked up once every `HIT_STEPS`.
         assert queued_lookups(m, 4 * HIT_STEPS, other) == 0
-        with m.lock:
-            assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
-            m.on_request_finished(ctx)
-        settle(m)
-        assert other.stats()["owners"]["pins_expired"] == 0
-    assert not m.holdings.pins
+        scanned_as_hits(m, keys, ctx, other)
 
 
 def test_a_queued_request_s_hits_are_looked_up_again_before_their_pins_end(start_node,
@@ -291,28 +304,16 @@ def test_a_queued_request_s_hits_are_looked_up_again_before_their_pins_end(start
     """A hit held for a waiting request is asked about again before the broker's pin
     on it could end (`broker.pin_s`, short here), so no pin it loads through has
     lapsed: the broker never had to release one."""
-    from vllm.v1.kv_offload.base import LookupResult
-
     pin_s = 0.6
     node = start_node(cpu_blocks=256, broker={"pin_s": pin_s})
-    m = manager_of(engine_on(node, sync_lookups=0))
-    keys = chunk_keys(4, seed=11)
-    stored(m, keys)
-    ctx = request("renewed", keys)
-    with m.lock:
-        m.prefetch(ctx)
+    m, keys, ctx = queued_with_hits(node, engine_on, "renewed", seed=11)
     with Client.from_config(node.config) as other:
         looked_up, until = 0, time.monotonic() + 3 * pin_s
         while time.monotonic() < until:  # steps of an engine whose queue does not move
             looked_up += queued_lookups(m, 1, other)
             time.sleep(0.01)
         assert looked_up >= 4, looked_up  # once per half a pin_s, at least
-        with m.lock:
-            assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
-            m.on_request_finished(ctx)
-        settle(m)
-        assert other.stats()["owners"]["pins_expired"] == 0
-    assert not m.holdings.pins
+        scanned_as_hits(m, keys, ctx, other)
 
 
 @pytest.mark.parametrize("stored_when", ["before the step's end", "after it"])
