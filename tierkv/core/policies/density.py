@@ -166,7 +166,7 @@ def _classify(uses: int, info: int, session: Any) -> int:
 
 def _within(keys: Sequence[Any], chain: Sequence[Any]) -> bool:
     """Whether `keys` are the request's noted `chain` or a part of it (a run from
-    either end, the common cases, checked without a set)."""
+    either end, the common cases, is checked before any set is made)."""
     n = len(keys)
     if n > len(chain):
         return False
@@ -174,6 +174,7 @@ def _within(keys: Sequence[Any], chain: Sequence[Any]) -> bool:
         return keys == chain
     return (keys == chain[len(chain) - n:] or keys == chain[:n]
             or set(keys).issubset(chain))
+
 
 class HitDensityPolicy(CachePolicy[K, V]):
     name = "hitdensity"
