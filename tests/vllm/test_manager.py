@@ -166,7 +166,7 @@ def test_an_engine_going_idle_while_the_broker_is_slow_still_commits_its_stores(
         start_node, engine_on):
     """vLLM stops stepping an engine with no request left once `has_pending_work`
     says no. An engine whose broker was slow (a round trip out past
-    `lookup_wait_ms`, as with two engines busy on two cores) said no while it owed
+    `lookup_wait_ms`) said no while it owed
     its stores' commits: the blocks stayed reserved, being written, and another
     engine's requests for them were told RETRY, every step, until the broker
     withdrew the reservations (`broker.reservation_s`, 60 s)."""

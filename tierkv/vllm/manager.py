@@ -290,7 +290,7 @@ class TierkvOffloadingManager(OffloadingManager):
             return
         stale: list[tuple[RequestLookups, set[bytes]]] = []
         chains = []
-        for ctx in islice(self._queued.values(), self.options.prefetch_requests):
+        for ctx in self._queue_head().values():
             state = self._state(ctx)
             if state.tiered:
                 continue  # looked up again, it would start promotions for it again
@@ -569,10 +569,11 @@ class TierkvOffloadingManager(OffloadingManager):
         self._flush_waited = False
         self._idle = False
 
-    def _queue_head(self) -> set[str]:
-        """The requests at the head of vLLM's queue: kept answered until it scans them
-        (`_refresh_queue_head`), their hits held while the broker holds their pins."""
-        return set(islice(self._queued, self.options.prefetch_requests))
+    def _queue_head(self) -> dict[str, ReqContext]:
+        """The first `prefetch_requests` requests of vLLM's queue: kept answered until
+        it scans them (`_refresh_queue_head`), their hits held while the broker holds
+        their pins (`on_schedule_end`)."""
+        return dict(islice(self._queued.items(), self.options.prefetch_requests))
 
     def _requeue(self, preempted: Iterable[str]) -> None:
         """vLLM puts a request it preempts back at the head of its queue, and scans it
