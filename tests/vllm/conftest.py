@@ -25,7 +25,7 @@ SHAPE = EngineShape(gpu_blocks=48)
 # Generous: these tests are about what is decided, not how fast, so a loaded machine
 # must not turn an answer into a RETRY or a store into "offered again" (the tests of
 # the budget itself set their own).
-DECIDE = {"budget_ms": 10_000.0, "lookup_wait_ms": 60_000.0}
+DECIDE = {"budget_ms": 10_000.0, "lookup_wait_ms": 60_000.0, "pending_wait_ms": 60_000.0}
 
 
 def extra_config(node: Node, **more: Any) -> dict[str, Any]:

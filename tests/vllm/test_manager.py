@@ -195,6 +195,89 @@ def test_an_engine_going_idle_while_the_broker_is_slow_still_commits_its_stores(
         time.sleep(0.05)
 
 
+def test_a_store_offered_again_after_its_reserve_was_given_up_is_committed(
+        start_node, engine_on):
+    """`prepare_store` gives up waiting past the step's budget and vLLM offers the
+    store again the next step. The broker answers the second reserve with the
+    engine's own reservation of the first, renewed. The first's late reply must not
+    abort it: the row would be freed under the copy writing it, and the commit naming
+    it refused whole, leaving every other block of that commit reserved (pending for
+    every engine) until `broker.reservation_s` withdrew it."""
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node, spare_rows=0, budget_ms=50.0))
+    keys, others = chunk_keys(2, seed=21), chunk_keys(2, seed=22)
+    ctx, other_ctx = request("r", keys), request("o", others)
+    node.kill("broker", signal.SIGSTOP)
+    try:
+        with m.lock:
+            assert m.prepare_store(keys, ctx) is None  # past the budget: given up
+        m.rounds.budget_ms = 10_000.0  # the next step's reserve waits for its reply
+        end_step(m)
+        threading.Timer(0.2, node.kill, ("broker", signal.SIGCONT)).start()
+        with m.lock:
+            again = m.prepare_store(keys, ctx)  # sent before the first one's reply came
+    finally:
+        time.sleep(0.3)
+        node.kill("broker", signal.SIGCONT)
+    assert again is not None and again.keys_to_store == keys
+    with m.lock:
+        assert m.prepare_store(others, other_ctx).keys_to_store == others
+        m.complete_store(set(keys), ctx)
+        m.complete_store(set(others), other_ctx)  # one commit for the four
+    settle(m)
+    assert node_statuses(node, m.keymap.keys(keys + others)) == ["hit"] * 4
+
+
+def test_a_block_another_engine_is_slow_to_write_is_computed_after_pending_wait_ms(
+        start_node, engine_on):
+    """A request waits for a block another engine is writing (vLLM is told RETRY),
+    but only `pending_wait_ms`, counted from the first RETRY (vLLM's scan asks the
+    hit before it again at every step): a writer that stopped is ended by the broker
+    only after `broker.owner_timeout_s` (30 s), its reservation after
+    `broker.reservation_s`, and computing is cheaper than waiting that long."""
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node, pending_wait_ms=300.0))
+    keys = chunk_keys(3, seed=25)
+    stored(m, keys[:1])
+    ctx = request("r", keys)
+    with Client.from_config(node.config) as writer:
+        assert writer.reserve(m.keymap.keys(keys[1:])).ok  # being written, never committed
+        told: list[LookupResult] = []
+        start = time.monotonic()
+        while not told or told[-1] is not LookupResult.MISS:
+            assert time.monotonic() - start < 10.0, told[-5:]
+            with m.lock:
+                assert m.lookup(keys[0], ctx) is LookupResult.HIT
+                told.append(m.lookup(keys[1], ctx))
+            end_step(m)
+            time.sleep(0.01)
+        waited = time.monotonic() - start
+        assert set(told[:-1]) == {LookupResult.RETRY} and len(told) > 2
+        assert 0.3 <= waited < 5.0
+        assert node_statuses(node, m.keymap.keys(keys[1:])) == ["pending"] * 2
+
+
+def test_a_commit_naming_a_block_the_broker_let_go_commits_the_others(start_node, engine_on):
+    """The broker refuses a commit group whole when one key is not the engine's (here
+    its reservation was aborted behind the manager's back): the other blocks of the
+    group are committed all the same, not left pending for every engine."""
+    node = start_node(cpu_blocks=32)
+    m = manager_of(engine_on(node, spare_rows=0))
+    lost, kept = chunk_keys(1, seed=23), chunk_keys(3, seed=24)
+    lost_ctx, kept_ctx = request("lost", lost), request("kept", kept)
+    with m.lock:
+        assert m.prepare_store(lost, lost_ctx).keys_to_store == lost
+        assert m.prepare_store(kept, kept_ctx).keys_to_store == kept
+    behind = m.link.batch()
+    behind.commit(m.keymap.keys(lost), False)
+    assert m.link.send(behind).wait(10.0)
+    with m.lock:
+        m.complete_store(set(lost), lost_ctx)
+        m.complete_store(set(kept), kept_ctx)  # one commit group for the four
+    settle(m)
+    assert node_statuses(node, m.keymap.keys(lost + kept)) == ["miss"] + ["hit"] * 3
+
+
 # -- item 6: any order converges ----------------------------------------------------------
 
 

@@ -31,7 +31,14 @@ lines and one reply line on the engine's own channel (a pipe whose fd is in
   and its time to first token; and `metrics`, vLLM's counters over the run (cached
   prompt tokens by source among them). Conversations live for one run.
 * ``{"op": "settle", "steps": N}``: N idle engine steps, so that what the connector
-  owes (stores of the last requests, commits) goes out.
+  owes (stores of the last requests, commits) goes out. The reply's `tierkv` is what
+  the engine holds at the node by its own account (`TierkvOffloadingManager.held`).
+* ``{"op": "reset", "connector": bool, "prompts": [[ids], ...]}``: vLLM's prefix
+  cache reset, and with `connector` the connector's (vLLM's weight-update path).
+  With `prompts`, in the middle of serving them, once stores of the connector's are
+  in flight and no load is (vLLM resets no cache while a request waits for one): a
+  trainer updating weights while requests run; they are served to the end after
+  it. The reply as settle's, and `in_flight`: the stores out at the reset.
 * ``{"op": "quit"}``: ends the engine.
 """
 
@@ -53,6 +60,7 @@ from pathlib import Path
 from typing import IO, Any
 
 CHANNEL_ENV = "TIERKV_ENGINE_CHANNEL_FD"  # the engine's end of its channel
+MAX_STEPS = 10_000  # engine steps a reset's requests may take (they take a few dozen)
 # An engine process stays off the network (no hub, no usage report) and in one
 # process.
 ENGINE_ENV = {
@@ -288,6 +296,12 @@ class EngineProcess:
         self._send({"op": "settle", "steps": steps})
         return self._reply(self._read(timeout_s))
 
+    def reset(self, connector: bool = False, prompts: Sequence[Sequence[int]] = (),
+              timeout_s: float = 300.0) -> dict[str, Any]:
+        self._send({"op": "reset", "connector": connector,
+                    "prompts": [list(p) for p in prompts]})
+        return self._reply(self._read(timeout_s))
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Ask the engine to quit, then end the process by pid if it has not."""
         if self.proc is None:
@@ -400,6 +414,7 @@ class _Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=True,
             disable_log_stats=False, kv_transfer_config=transfer)
         self.chats: dict[str, list[int]] = {}
+        self.served = 0  # requests added outside `run` (their ids must differ)
 
     def device_blocks(self) -> int:
         return int(self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
@@ -457,11 +472,52 @@ class _Engine:
             return self.chats.get(request["chat"], []) + list(request["user"])
         return list(request["prompt"])
 
-    def settle(self, steps: int) -> None:
+    def settle(self, steps: int) -> dict[str, Any]:
         engine = self.llm.llm_engine
         for _ in range(steps):
             engine.step()
             time.sleep(0.01)
+        return self.held()
+
+    def reset(self, connector: bool, prompts: list[list[int]]) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        engine = self.llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for prompt in prompts:
+            self.served += 1
+            engine.add_request(f"reset-{self.served}", {"prompt_token_ids": prompt}, params)
+        in_flight = 0
+        for _ in range(MAX_STEPS if prompts else 0):
+            engine.step()
+            jobs = getattr(self._connector_scheduler(), "_jobs", {}).values()
+            # vLLM resets no cache while a request waits for a load.
+            if jobs and all(job.is_store for job in jobs):
+                in_flight = len(jobs)
+                break
+            if not engine.has_unfinished_requests():
+                break
+        if not self.llm.reset_prefix_cache(reset_running_requests=bool(prompts),
+                                           reset_connector=connector):
+            raise RuntimeError("vLLM did not reset its prefix cache")
+        for _ in range(MAX_STEPS):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        return {**self.held(), "in_flight": in_flight}
+
+    def held(self) -> dict[str, Any]:
+        """What the tierkv connector's manager holds at the node ({} without one)."""
+        manager: Any = getattr(self._connector_scheduler(), "manager", None)
+        if not hasattr(manager, "held"):
+            return {"ok": True, "tierkv": {}}
+        with manager.lock:
+            return {"ok": True, "tierkv": manager.held()}
+
+    def _connector_scheduler(self) -> Any:
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        connector = getattr(getattr(core, "scheduler", None), "connector", None)
+        return getattr(connector, "connector_scheduler", None)
 
 
 def serve(config: EngineConfig) -> int:
@@ -491,8 +547,10 @@ def serve(config: EngineConfig) -> int:
                 say(engine.run(command["rounds"], int(command.get("max_tokens", 8)),
                                bool(command.get("reset_device_cache")), say))
             elif op == "settle":
-                engine.settle(int(command.get("steps", 4)))
-                say({"ok": True})
+                say(engine.settle(int(command.get("steps", 4))))
+            elif op == "reset":
+                say(engine.reset(bool(command.get("connector")),
+                                 [list(p) for p in command.get("prompts", [])]))
             else:
                 say({"error": f"unknown op {op!r}"})
         except Exception as e:  # noqa: BLE001 (the caller decides)

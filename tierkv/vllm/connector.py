@@ -22,6 +22,13 @@ spec it builds by name) but for two things vLLM's offloading interfaces cannot c
   failed store travels back in the worker metadata and its rows are aborted, not
   committed: a miss. A failed load of a sync-loading request in a model of several
   groups has no vLLM path: the worker stops the engine, naming the job.
+* **A cache reset lets go of its copies' blocks.** vLLM 0.33 tells the manager when
+  the workers have reported every job a cache reset flushed (`on_reset_flushed`):
+  until then a late copy may still read or write their rows, so their pins and
+  reservations are held. vLLM 0.32 has no such call, and they were held until the
+  engine stopped: rows reserved for good at each reset, and their blocks pending
+  for every engine of the old generation. Under a vLLM without it, this connector
+  keeps that fence itself.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class TierkvConnector(OffloadingConnector):
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._failed_stores: set[int] = set()
+        self._reset_fence: dict[int, int] = {}  # scheduler: job flushed by a reset -> reports due
         transfer = vllm_config.kv_transfer_config
         if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
             log.info("tierkv: kv_load_failure_policy is not 'recompute': a tierkv copy that "
@@ -172,6 +180,8 @@ class TierkvConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         failed = getattr(meta, "failed_stores", ())
         manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        if self._reset_fence and meta is not None:
+            self._fence_reports(getattr(meta, "completed_jobs", {}), manager)
         if failed and manager is not None and hasattr(manager, "store_failed"):
             with manager.lock:
                 for job_id in failed:
@@ -185,6 +195,39 @@ class TierkvConnector(OffloadingConnector):
                 if not manager.storing(spec):
                     del self._store_specs[job_id]
 
+    def has_pending_push_work(self) -> bool:
+        # The flush a reset sent must reach the workers and their reports come back.
+        return bool(self._reset_fence) or super().has_pending_push_work()
+
     def reset_cache(self) -> bool | None:
         self._store_specs.clear()
-        return super().reset_cache()
+        scheduler = self.connector_scheduler
+        if scheduler is None or hasattr(scheduler, "_reset_fence"):
+            return super().reset_cache()  # a vLLM that calls `on_reset_flushed` itself
+        fenced = {job_id: job.pending_count for job_id, job in scheduler._jobs.items()}
+        result = super().reset_cache()
+        self._reset_fence.update(fenced)
+        if not self._reset_fence:
+            self._reset_flushed(scheduler.manager)
+        return result
+
+    def _fence_reports(self, completed: dict[int, int], manager: Any) -> None:
+        """Count the workers' reports of jobs a reset flushed; once every one is in,
+        the manager lets go of their blocks."""
+        fence = self._reset_fence
+        for job_id, count in completed.items():
+            left = fence.get(job_id)
+            if left is None:
+                continue
+            if left > count:
+                fence[job_id] = left - count
+            else:
+                del fence[job_id]
+        if not fence:
+            self._reset_flushed(manager)
+
+    @staticmethod
+    def _reset_flushed(manager: Any) -> None:
+        if manager is not None and hasattr(manager, "on_reset_flushed"):
+            with manager.lock:
+                manager.on_reset_flushed()

@@ -203,12 +203,12 @@ class Holdings:
             return
         at = 0
         for group in owed.commits:
-            self._settled("commit", group, results[at])
-            self.committing.difference_update(group.keys)
+            if self._settled("commit", group, results[at]):
+                self.committing.difference_update(group.keys)
             at += 1
         for group in owed.commits_as:
-            self._settled("commit", group, results[at])
-            self.committing.difference_update(group.written_as)
+            if self._settled("commit", group, results[at]):
+                self.committing.difference_update(group.written_as)
             at += 1
         for group in owed.releases:
             self._settled("release", group, results[at])
@@ -219,6 +219,13 @@ class Holdings:
         for key in keys:
             self._owe().commits.append(_Group([key], False, again=True))
             self.committing.add(key)
+
+    def given_up(self, keys: Iterable[bytes]) -> None:
+        """A reserve nobody waited for got rows for `keys`: abort them, key by key,
+        except those a later reserve of this engine got again (the broker renews an
+        owner's own reservation and gives its row again): a store writes into those."""
+        in_use = self.committing.union(*(r.keys for r in self.writing.values()))
+        self.lost_reservations(k for k in keys if k not in in_use)
 
     def _owe_again(self, owed: Owed) -> None:
         target = self._owe()
@@ -239,16 +246,30 @@ class Holdings:
         target.finishes.extend(owed.finishes)
         # Touches and contexts are advice: a lost one costs nothing but a better guess.
 
-    def _settled(self, what: str, group: _Group, result: Any) -> None:
+    def _settled(self, what: str, group: _Group, result: Any) -> bool:
+        """Whether `group` is done with. A commit of several keys refused `not_owner`
+        changed nothing at the broker: its keys are owed again one by one, so the key
+        that is not this engine's costs only itself (a commit refused whole left the
+        others reserved, pending for every engine until `broker.reservation_s`). A
+        release is not: this engine may pin those keys again meanwhile, and a
+        release sent then would end the new pin (the broker ends them at `pin_s`)."""
         if not isinstance(result, RemoteError):
-            return
+            return True
         if group.again and result.code == ErrorCode.NOT_OWNER.value:
-            return  # the lost first try was applied
+            return True  # the lost first try was applied
         if result.code == ErrorCode.EXPIRED.value:
             self._warn.warning(f"{what}-expired", "tierkv: %s after the broker's deadline: "
                                "%s", what, result.message)
-        else:
-            self._warn.warning(what, "tierkv refused a %s: %s", what, result)
+            return True
+        self._warn.warning(what, "tierkv refused a %s: %s", what, result)
+        if what != "commit" or result.code != ErrorCode.NOT_OWNER.value or len(group.keys) < 2:
+            return True
+        owed = self._owe()
+        singles = owed.commits_as if group.written_as else owed.commits
+        for i, key in enumerate(group.keys):
+            singles.append(_Group([key], group.ok, again=True,
+                                  written_as=group.written_as[i:i + 1]))
+        return False
 
     def _owe(self) -> Owed:
         owed = self.owed

@@ -83,6 +83,7 @@ class RequestLookups:
     asks: dict[bytes, None] = field(default_factory=dict)  # asked, no answer yet
     synced: int = -1  # the step of its last lookup of its own
     waiting_since: float | None = None  # told RETRY for want of an answer since then
+    pending_since: float | None = None  # told a key is being written or promoted since
     prefetch: Any = None  # the `Call` looking it up since it was added, until waited for
     coming: set[bytes] = field(default_factory=set)  # keys `prefetch` (if out) looks up
     in_flush: Any = None  # the end-of-step `Call` its asked keys last went in

@@ -17,9 +17,9 @@ answers at once the way vLLM's own asynchronous lookups do (`rounds.py` and
   once it has room for it, often steps later). The first
   `sync_lookups` requests of a step may get a round trip of their own (within the
   budget), answering the key asked and those the same scan asks next. A request
-  told RETRY for want of an answer for `lookup_wait_ms` misses instead (vLLM
-  computes). Every hit is pinned in the broker pass that found it, until vLLM loads
-  it or for a few steps.
+  told RETRY for want of an answer for `lookup_wait_ms`, or for blocks being written
+  or promoted for `pending_wait_ms`, misses instead (vLLM computes). Every hit is
+  pinned in the broker pass that found it, until vLLM loads it or for a few steps.
 * **Stores**: `prepare_store` takes rows reserved ahead (`spares.py`: no round trip),
   or else reserves them in a round trip of its own (within the budget), and returns
   only the chunks this job will write: not the ones known present, not the ones this
@@ -110,6 +110,7 @@ class ManagerOptions:
     sync_lookups: int = 2
     max_lookup_keys: int = 2048  # chunks of one request in one lookup of its own
     lookup_wait_ms: float = 250.0  # a request waits this long for answers, then misses
+    pending_wait_ms: float = 5000.0  # and this long for blocks being written or promoted
     spare_rows: int = 1024  # rows reserved ahead for stores, at most (`spares.py`)
     prefetch_requests: int = 64  # new requests looked up before vLLM asks, at most at once
 
@@ -178,8 +179,19 @@ class TierkvOffloadingManager(OffloadingManager):
             state.asks[key] = None
             return LookupResult.RETRY
         state.waiting_since = None
-        if answer.status in AGAIN:
-            state.asks[key] = None
+        if answer.status not in AGAIN:
+            return answer.status
+        # Since vLLM was first told to wait for a block (another key's hit does not
+        # end that: its scan asks every key up to this one at each step).
+        now = time.monotonic()
+        if state.pending_since is None:
+            state.pending_since = now
+        elif now - state.pending_since > self.options.pending_wait_ms / 1e3:
+            # Written by an engine that stopped (the broker ends it only after
+            # `broker.owner_timeout_s`) or promoted from a slow tier: computing beats
+            # waiting longer.
+            return LookupResult.MISS
+        state.asks[key] = None
         return answer.status
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -584,6 +596,7 @@ class TierkvOffloadingManager(OffloadingManager):
             if state is not None:
                 state.asked = False
                 state.ahead = None  # it has more keys now
+                state.pending_since = None
                 front[req_id] = state.ctx
         if front:
             self._queued = {**front, **self._queued}
@@ -629,6 +642,15 @@ class TierkvOffloadingManager(OffloadingManager):
         self._idle = bool(self.holdings.owed or self.rounds.flush is not None or any(
             s.asks for s in self._requests.values()))
         return self._idle
+
+    def held(self) -> dict[str, int]:
+        """What this engine holds at the node now, by its own account: rows its
+        stores are writing, pins it has not released, the copies a cache reset left
+        in flight (`on_reset_flushed`), and operations it still owes the broker."""
+        holdings = self.holdings
+        return {"writing": len(holdings.writing), "pins": sum(holdings.pins.values()),
+                "fenced": len(self._fenced) + len(self._fenced_writes),
+                "owed": int(bool(holdings.owed))}
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []

@@ -197,8 +197,8 @@ class Rounds:
         if carried.reserve is not None and not told:
             reply = results[-1]
             if not isinstance(reply, RemoteError) and reply.ok:
-                self.holdings.commit([k for k, r in zip(carried.reserve, reply.block_ids,
-                                                        strict=True) if r >= 0], False)
+                self.holdings.given_up(k for k, r in zip(carried.reserve, reply.block_ids,
+                                                         strict=True) if r >= 0)
         if carried.spares:
             self._take_spares(carried, results[carried.spares_slot])
         if carried.step:

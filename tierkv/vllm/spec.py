@@ -23,6 +23,8 @@ Extra config read here (`kv_connector_extra_config`):
 * ``max_lookup_keys`` (2048): chunks of one request in one such round trip.
 * ``lookup_wait_ms`` (250): how long a request may be told RETRY for want of the
   broker's answer; then its lookups miss (vLLM computes) until the answer comes.
+* ``pending_wait_ms`` (5000): how long a request may wait for blocks another
+  engine is writing or a tier is promoting; then they miss (vLLM computes).
 * ``allow_unpinned`` (false): let the worker copy from a CPU tier it could not pin
   for DMA (synchronous copies, several times slower) rather than stop at start.
 * ``block_size``: vLLM's own (tokens per offloaded chunk).
@@ -121,19 +123,22 @@ class TierkvOffloadingSpec(OffloadingSpec):
             sync_lookups=int(_option(extra, "sync_lookups", 2)),
             max_lookup_keys=int(_option(extra, "max_lookup_keys", 2048)),
             lookup_wait_ms=_option(extra, "lookup_wait_ms", 250.0),
+            pending_wait_ms=_option(extra, "pending_wait_ms", 5000.0),
             spare_rows=int(_option(extra, "spare_rows", SPARE_ROWS)),
             prefetch_requests=int(_option(extra, "prefetch_requests", PREFETCH_REQUESTS)))
         o = self.options
         if (self.timeout_s <= 0 or min(o.budget_ms, o.retry_s, o.sync_lookups,
-                                       o.lookup_wait_ms, o.spare_rows, o.prefetch_requests) < 0
+                                       o.lookup_wait_ms, o.pending_wait_ms, o.spare_rows,
+                                       o.prefetch_requests) < 0
                 or o.max_lookup_keys < 1):
             raise ValueError(
                 f"kv_connector_extra_config: timeout_s must be > 0, budget_ms, retry_s, "
-                f"sync_lookups, lookup_wait_ms, spare_rows and prefetch_requests >= 0, "
-                f"max_lookup_keys >= 1; "
+                f"sync_lookups, lookup_wait_ms, pending_wait_ms, spare_rows and "
+                f"prefetch_requests >= 0, max_lookup_keys >= 1; "
                 f"got timeout_s={self.timeout_s}, budget_ms={o.budget_ms}, "
                 f"retry_s={o.retry_s}, sync_lookups={o.sync_lookups}, "
-                f"lookup_wait_ms={o.lookup_wait_ms}, spare_rows={o.spare_rows}, "
+                f"lookup_wait_ms={o.lookup_wait_ms}, pending_wait_ms={o.pending_wait_ms}, "
+                f"spare_rows={o.spare_rows}, "
                 f"prefetch_requests={o.prefetch_requests}, "
                 f"max_lookup_keys={o.max_lookup_keys}")
         # An MLA model under tensor parallelism has the same bytes on every rank: one
