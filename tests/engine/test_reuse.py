@@ -1,17 +1,20 @@
 """One node, engines coming and going: greedy output token for token the same as an
 engine without offloading's, on a second pass, in a new engine process, with two
 engines at once, after the node restarted (hits from disk), beside an engine of
-another layout; and a CPU tier filled with random bytes must break it."""
+another layout, after an engine was killed with stores in flight; and a CPU tier
+filled with random bytes must break it."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from tests.conftest import new_instance
 from tests.engine.harness import (
+    BLOCK,
     MAX_TOKENS,
     RUN_S,
     EngineNode,
@@ -177,3 +180,51 @@ def test_a_connector_reset_with_copies_in_flight_lets_go_of_their_rows(node, say
         f"after the run and 20 steps: {after}")
     assert reset["in_flight"] > 0  # the case this is about
     assert after == {"writing": 0, "pins": 0, "fenced": 0, "owed": 0}
+
+
+def test_an_engine_killed_mid_store_leaves_no_wrong_kv_and_nothing_pending(
+        node, engines, references, say):
+    """An engine killed (no goodbye) with stores in flight leaves rows at the node
+    reserved and half written. No engine may read them: another serving the same
+    prompts meanwhile computes those blocks, token for token right. Nor may they stay
+    pending: once the broker ends the silent owner (`broker.owner_timeout_s`) its
+    reservations are aborted, and the blocks are stored and served again."""
+    docs = documents(4, 3, 1, seed=11)  # new prompts: stores, nothing to load
+    reference = references.outputs(docs)
+    doomed = Story.engines.pop("after-restart")
+    before = node.stats()["owners"]
+    begun = doomed.begin([r["prompt"] for r in docs[0]])
+    assert begun["in_flight"] > 0 and begun["tierkv"]["writing"] > 0  # the case
+    doomed.kill()
+    successor = engines.start(engine_config(references.model("A"), "A", node), "successor")
+    meanwhile, _ = run(successor, docs, node)
+    ended = _owner_ended(node, before, OWNER_END_S)
+    again, _ = run(successor, docs, node, reset=True)  # computes what the dead held
+    third, delta = run(successor, docs, node, reset=True)
+    say(f"engine killed with {begun['in_flight']} stores in flight "
+        f"({begun['tierkv']['writing']} blocks being written): owner ended, "
+        f"{ended['reservations_aborted'] - before.get('reservations_aborted', 0)} "
+        "reservations aborted")
+    say(describe("another engine meanwhile", meanwhile, reference))
+    say(describe("after the owner ended, third pass", third, reference, delta))
+    for result in (meanwhile, again, third):
+        same, total = identical(result, reference)
+        assert same == total
+    assert ended["reservations_aborted"] > before.get("reservations_aborted", 0)
+    doc_tokens = 3 * BLOCK
+    assert all(r["cached_tokens"] >= doc_tokens for r in third["rounds"][0])
+
+
+OWNER_END_S = 60.0  # the node's broker.owner_timeout_s (30 s) and then some
+
+
+def _owner_ended(node: EngineNode, before: dict[str, int], timeout_s: float
+                 ) -> dict[str, int]:
+    """The broker's owner counters once it has timed out one more owner."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        owners = node.stats()["owners"]
+        if owners.get("owners_timed_out", 0) > before.get("owners_timed_out", 0):
+            return owners
+        assert time.monotonic() < deadline, f"no owner ended within {timeout_s:.0f}s: {owners}"
+        time.sleep(0.5)

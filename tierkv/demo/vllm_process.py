@@ -39,6 +39,10 @@ lines and one reply line on the engine's own channel (a pipe whose fd is in
   in flight and no load is (vLLM resets no cache while a request waits for one): a
   trainer updating weights while requests run; they are served to the end after
   it. The reply as settle's, and `in_flight`: the stores out at the reset.
+* ``{"op": "begin", "prompts": [[ids], ...]}``: starts serving the prompts and
+  stops stepping once stores of the connector's are in flight and no load is,
+  leaving the requests unfinished (an engine about to be killed mid-store). The
+  reply as settle's, and `in_flight`: the stores out.
 * ``{"op": "quit"}``: ends the engine.
 """
 
@@ -296,6 +300,11 @@ class EngineProcess:
         self._send({"op": "settle", "steps": steps})
         return self._reply(self._read(timeout_s))
 
+    def begin(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0
+              ) -> dict[str, Any]:
+        self._send({"op": "begin", "prompts": [list(p) for p in prompts]})
+        return self._reply(self._read(timeout_s))
+
     def reset(self, connector: bool = False, prompts: Sequence[Sequence[int]] = (),
               timeout_s: float = 300.0) -> dict[str, Any]:
         self._send({"op": "reset", "connector": connector,
@@ -479,24 +488,30 @@ class _Engine:
             time.sleep(0.01)
         return self.held()
 
-    def reset(self, connector: bool, prompts: list[list[int]]) -> dict[str, Any]:
+    def begin(self, prompts: list[list[int]], max_tokens: int = 8) -> int:
+        """Add `prompts` and step until the connector has stores in flight and no
+        load (or the requests are done); the stores in flight then. The requests are
+        left unfinished."""
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for prompt in prompts:
             self.served += 1
-            engine.add_request(f"reset-{self.served}", {"prompt_token_ids": prompt}, params)
-        in_flight = 0
+            engine.add_request(f"begun-{self.served}", {"prompt_token_ids": prompt}, params)
         for _ in range(MAX_STEPS if prompts else 0):
             engine.step()
             jobs = getattr(self._connector_scheduler(), "_jobs", {}).values()
-            # vLLM resets no cache while a request waits for a load.
             if jobs and all(job.is_store for job in jobs):
-                in_flight = len(jobs)
-                break
+                return len(jobs)
             if not engine.has_unfinished_requests():
                 break
+        return 0
+
+    def reset(self, connector: bool, prompts: list[list[int]]) -> dict[str, Any]:
+        engine = self.llm.llm_engine
+        # vLLM resets no cache while a request waits for a load: `begin` stops at none.
+        in_flight = self.begin(prompts)
         if not self.llm.reset_prefix_cache(reset_running_requests=bool(prompts),
                                            reset_connector=connector):
             raise RuntimeError("vLLM did not reset its prefix cache")
@@ -548,6 +563,9 @@ def serve(config: EngineConfig) -> int:
                                bool(command.get("reset_device_cache")), say))
             elif op == "settle":
                 say(engine.settle(int(command.get("steps", 4))))
+            elif op == "begin":
+                in_flight = engine.begin([list(p) for p in command["prompts"]])
+                say({**engine.held(), "in_flight": in_flight})
             elif op == "reset":
                 say(engine.reset(bool(command.get("connector")),
                                  [list(p) for p in command.get("prompts", [])]))
