@@ -161,7 +161,7 @@ class BrokerCore:
             stats = self.stats()
             if msg.verify:
                 stats["invariants"] = self._check_invariants()
-            self._send("client", client, Reply(msg.id, True, result=stats))
+            self._reply(client, msg.id, True, result=stats)
         elif isinstance(msg, OpsRequest):
             self._ops(owner, msg)
         else:
@@ -170,14 +170,14 @@ class BrokerCore:
 
     def internal_error(self, client: bytes, request_id: int, error: Exception) -> None:
         """A request the broker failed to handle (a bug) still gets its reply."""
-        self._send("client", client, Reply(request_id, False, error=ErrorInfo(
+        self._reply(client, request_id, False, error=ErrorInfo(
             ErrorCode.FATAL.value, f"the broker could not handle this request "
-            f"({type(error).__name__}); see its log")))
+            f"({type(error).__name__}); see its log"))
 
     def client_error(self, client: bytes, request_id: int | None, error: ProtocolError) -> None:
         self.counters["protocol_errors"] += 1
-        self._send("client", client, Reply(request_id or 0, False,
-                                           error=ErrorInfo(error.code.value, str(error))))
+        self._reply(client, request_id or 0, False,
+                    error=ErrorInfo(error.code.value, str(error)))
 
     def _ops(self, owner: Owner, msg: OpsRequest) -> None:
         client = owner.identity
@@ -202,7 +202,14 @@ class BrokerCore:
         if "finished" in out:
             out["finished"] = self._finished.pop(client, [])
             out["events"] = self.events.take(client)
-        self._send("client", client, Reply(request_id, True, result=OpsResult(**out)))
+        self._reply(client, request_id, True, result=OpsResult(**out))
+
+    def _reply(self, client: bytes, request_id: int, ok: bool, result: Any = None,
+               error: ErrorInfo | None = None) -> None:
+        """Every reply says how long the broker waits for a silent client: one made
+        with the address alone (not the node's config) learns how often to ping."""
+        self._send("client", client, Reply(request_id, ok, result, error,
+                                           self.owners.owner_timeout_s))
 
     def _finished_all(self, client: bytes, wanted: set[int]) -> bool:
         done = {r.job_id for r in self._finished.get(client, ())}
@@ -293,7 +300,7 @@ class BrokerCore:
     def _register_kv(self, client: bytes, msg: RegisterKVRequest) -> None:
         def refuse(code: ErrorCode, why: str) -> None:
             self.counters["request_errors"] += 1
-            self._send("client", client, Reply(msg.id, False, error=ErrorInfo(code.value, why)))
+            self._reply(client, msg.id, False, error=ErrorInfo(code.value, why))
 
         if not 0 <= msg.rank < self.config.cpu.world_size:
             refuse(ErrorCode.BAD_REQUEST,
@@ -328,12 +335,11 @@ class BrokerCore:
         if pending is None or pending.client is None or pending.request_id is None:
             return  # a re-attach after a worker restart: nobody is waiting
         if msg.ok:
-            reply = Reply(pending.request_id, True, result={
+            self._reply(pending.client, pending.request_id, True, result={
                 "rank": pending.rank, "page_size": msg.page_size, "token": token})
         else:
-            reply = Reply(pending.request_id, False,
-                          error=ErrorInfo(ErrorCode.BAD_REQUEST.value, msg.error))
-        self._send("client", pending.client, reply)
+            self._reply(pending.client, pending.request_id, False,
+                        error=ErrorInfo(ErrorCode.BAD_REQUEST.value, msg.error))
 
     # -- worker link -----------------------------------------------------------------
 
@@ -513,8 +519,8 @@ class BrokerCore:
         for pending in self.registrations.overdue(now):
             if pending.client is not None and pending.request_id is not None:
                 why = f"worker of rank {pending.rank} did not attach in time"
-                self._send("client", pending.client, Reply(
-                    pending.request_id, False, error=ErrorInfo(ErrorCode.TIMEOUT.value, why)))
+                self._reply(pending.client, pending.request_id, False,
+                            error=ErrorInfo(ErrorCode.TIMEOUT.value, why))
         for peer in self.peers.due_heartbeat(now):
             self._send_peer(peer, Heartbeat())
         if self._waiting:

@@ -144,13 +144,23 @@ class RemoteError(RuntimeError):
 
 
 PING_S = 5.0  # an idle client says it is alive this often (broker.owner_timeout_s: 30)
+PING_CHECK_S = 0.5  # the most the ping thread sleeps: a shorter ping_s takes effect soon
+
+
+def ping_interval(owner_timeout_s: float) -> float:
+    """How often an idle client pings a broker that ends clients silent for
+    `owner_timeout_s`: four times within it, at most every PING_S."""
+    return min(PING_S, owner_timeout_s / 4)
 
 
 class Client:
     """One connection to the broker, and one owner there: what it reserves, pins,
     registers and leases is its own (others are refused `not_owner`) and is let go
     when it closes or goes silent for `broker.owner_timeout_s`. While the engine is
-    idle, a background thread pings every `ping_s` so that silence means gone."""
+    idle, a background thread pings every `ping_s` so that silence means gone; the
+    broker's replies say its owner timeout, and a `ping_s` too long for it is
+    shortened to a quarter of it (a client made with the address alone does not know
+    how the node is configured)."""
 
     def __init__(self, address: str, timeout: float = 10.0,
                  curve: CurveClientKeys | None = None, ping_s: float = PING_S,
@@ -197,7 +207,7 @@ class Client:
             config = load_config(config)
         return cls(config.connect_address("client"), timeout=config.client.timeout_s,
                    curve=config.client.curve_keys(),
-                   ping_s=min(PING_S, config.broker.owner_timeout_s / 4),
+                   ping_s=ping_interval(config.broker.owner_timeout_s),
                    realtime_priority=config.client.realtime_priority)
 
     def use_kv(self, tokens: dict[int, str]) -> None:
@@ -345,7 +355,7 @@ class Client:
 
     def _ping(self) -> None:
         """While the engine is idle, say it is alive (the broker ends a silent client)."""
-        while not self._closed.wait(self.ping_s / 2):
+        while not self._closed.wait(min(self.ping_s / 2, PING_CHECK_S)):
             if time.monotonic() - self._last_sent < self.ping_s:
                 continue
             if not self._lock.acquire(blocking=False):
@@ -388,8 +398,9 @@ class Client:
         connect(sock, self.address)
         self._sock = sock
 
-    @staticmethod
-    def _unwrap(reply: Reply) -> Any:
+    def _unwrap(self, reply: Reply) -> Any:
+        if reply.owner_timeout_s > 0:  # the broker ends a client silent this long
+            self.ping_s = min(self.ping_s, ping_interval(reply.owner_timeout_s))
         if not reply.ok:
             error = reply.error
             raise RemoteError(error.code if error else "unknown", error.message if error else "")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.integration.cluster import key_bytes, keys, step_until, wait_for
-from tierkv.client import RemoteError
+from tierkv.client import Client, RemoteError
 from tierkv.core.shm import SharedRegion
 from tierkv.wire.protocol import MAX_GROUPS, MAX_STEP_KEYS, RequestContext
 
@@ -144,6 +144,27 @@ def test_an_engine_killed_mid_store_frees_its_rows_within_the_owner_timeout(make
     assert found.hits == 0 and not found.pending  # a miss, not pending for ever
     assert other.reserve(keys(1), "w").ok
     print(f"rows freed {freed_after:.2f}s after the kill (owner_timeout_s={owner_timeout_s})")
+
+
+def test_a_client_given_only_the_address_is_not_ended_while_it_computes(make_cluster, instance):
+    """A client made with the broker's address alone (vLLM's connector given
+    `tierkv_address`, not the node's config) pinged every 5 s, so under an
+    `owner_timeout_s` of 1 s the broker ended it while it was alive and computing:
+    its reservations were aborted under the copies writing them and its commit was
+    refused `not_owner`. The broker's replies say its owner timeout, and the client
+    pings inside it."""
+    owner_timeout_s = 1.0
+    cluster = make_cluster(cpu={"num_blocks": 8}, broker={"owner_timeout_s": owner_timeout_s})
+    engine = Client(cluster.config.connect_address("client"), timeout=10.0)
+    try:
+        reserved = engine.reserve(keys(1), "w")
+        write_rows(instance, keys(1), reserved.block_ids)
+        time.sleep(3 * owner_timeout_s)  # a long step: nothing to say to the broker
+        engine.commit(keys(1))
+        assert engine.lookup(keys(1), "r").hits == 1
+    finally:
+        engine.close()
+    assert cluster.client().stats()["owners"]["owners_timed_out"] == 0
 
 
 def test_a_closed_client_lets_go_of_what_it_held_at_once(make_cluster, instance):

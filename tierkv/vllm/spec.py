@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from tierkv.client import Client
+from tierkv.client import PING_S, Client, ping_interval
 from tierkv.core.shm import SharedRegion
 from tierkv.node.config import load_config, tier_name
 from tierkv.node.realtime import check_priority
@@ -102,12 +102,14 @@ class TierkvOffloadingSpec(OffloadingSpec):
             self.curve = node.client.curve_keys()
             self.tiers = [(tier_name(t), str(t.get("type", ""))) for t in node.tiers]
             realtime = node.client.realtime_priority
+            self.ping_s = ping_interval(node.broker.owner_timeout_s)
         elif "tierkv_instance" in extra and "tierkv_address" in extra:
             self.instance = str(extra["tierkv_instance"])
             self.address = str(extra["tierkv_address"])
             self.curve = None
             self.tiers = []
             realtime = 0
+            self.ping_s = PING_S  # shortened once the broker says its owner timeout
         else:
             raise ValueError("kv_connector_extra_config needs 'tierkv_config' (the tierkv "
                              "node's config file) or 'tierkv_instance' and 'tierkv_address'")
@@ -169,7 +171,7 @@ class TierkvOffloadingSpec(OffloadingSpec):
                                      "in kv_connector_extra_config")
             cpu_rows = self._check_node()
             client = Client(self.address, timeout=self.timeout_s, curve=self.curve,
-                            realtime_priority=self.realtime_priority)
+                            ping_s=self.ping_s, realtime_priority=self.realtime_priority)
             groups = self.config.groups
             # Spare rows are the node's, shared with every engine: an eighth at most.
             options = replace(self.options, spare_rows=min(self.options.spare_rows,

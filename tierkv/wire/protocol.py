@@ -54,6 +54,10 @@ class Reply(Message):
     ok: bool
     result: Any = None
     error: ErrorInfo | None = None
+    # `broker.owner_timeout_s`: the broker ends a client silent this long (what it
+    # reserved aborted, its pins released), so a client pings well inside it whatever
+    # it was configured with (`Client.ping_s`). 0: not said.
+    owner_timeout_s: float = 0.0
 
 
 @message("hb")
