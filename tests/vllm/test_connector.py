@@ -355,10 +355,7 @@ def test_an_engine_killed_mid_store_leaves_the_other_engine_going(start_node, tm
     chunks are misses again (never pending for ever, never a hit on rows nobody
     wrote), and a second engine on the same node computes and stores them, and a
     third is served them."""
-    # Short, to end the dead engine soon; the live ones ping every half second (a
-    # quarter of it), and a full garbage collection of this test process may hold
-    # their ping threads up to a second on a busy 2-core machine.
-    node = start_node(cpu_blocks=256, broker={"owner_timeout_s": 2.0})
+    node = start_node(cpu_blocks=256, broker={"owner_timeout_s": 1.0})
     docs = documents(4)
     script = ENGINE_PROCESS.format(gpu_blocks=SHAPE.gpu_blocks, docs=docs,
                                    extra=extra_config(node))
