@@ -2,7 +2,7 @@
 
 Maps the shared region, opens the engine's KV cache when the broker forwards its
 registration, and runs transfer jobs on a `TransferEngine` (CUDA streams on a
-GPU, CPU tensors otherwise), reporting completions in batches. The loop never
+GPU, numpy on a CPU cache), reporting completions in batches. The loop never
 waits on a copy and never polls: it sleeps until a message arrives or the engine's
 copy / completion threads say a job finished (`wakeup`).
 
@@ -153,6 +153,10 @@ class WorkerService(PeerService):
         from tierkv.engine import open_kv_cache
 
         try:
+            if self.cuda_index is None and _registered_device(msg.registration) == "cuda":
+                # Refused before opening: that would import torch inside the loop.
+                raise ValueError("this worker copies on the CPU (it sees no GPU or was "
+                                 "started with --device cpu): it cannot open a CUDA KV cache")
             kv = open_kv_cache(msg.registration)
             try:
                 self.engine.attach(kv)
@@ -197,11 +201,16 @@ class WorkerService(PeerService):
         self.registration_token = ""
 
 
+def _registered_device(registration: Any) -> Any:
+    return registration.get("device") if isinstance(registration, dict) else None
+
+
 def resolve_device(device: str, rank: int) -> tuple[str, int | None]:
     """(engine device, CUDA index) for ``--device``: "cpu"; "auto" (CUDA when this
     process sees a GPU); "cuda" (GPU rank mod visible GPUs); "cuda:N". Only counts
-    devices: no CUDA context is created here."""
-    if device == "cpu":
+    devices: no CUDA context is created here. Imports torch (seconds) only where a
+    GPU may be: a CPU worker copies with numpy and never loads it."""
+    if device == "cpu" or (device == "auto" and not _gpu_device_files()):
         return "cpu", None
     import torch
 
@@ -214,6 +223,12 @@ def resolve_device(device: str, rank: int) -> tuple[str, int | None]:
     if not 0 <= index < count:
         raise ConfigError(f"--device {device}: this process sees {count} CUDA devices")
     return ("auto" if device == "auto" else "cuda"), index
+
+
+def _gpu_device_files() -> bool:
+    """Whether this machine has the device files a CUDA driver works through (Linux:
+    /dev/nvidiactl, /dev/nvidiaN; WSL: /dev/dxg). Without them torch sees no GPU."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
 
 
 def _device_arg(value: str) -> str:
@@ -242,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(started, int):
         return started
     args, config = started
-    # torch takes seconds to import: do it before saying ready, never inside the
-    # loop, where it would look like a hang to the broker's heartbeat check.
-    import torch
-
+    # torch (seconds to import, where a GPU may be) is imported here, before saying
+    # ready, never inside the loop, where it would look like a hang to the broker's
+    # heartbeat check.
     import tierkv.engine  # noqa: F401
     try:
         device, cuda_index = resolve_device(args.device or config.worker.device, args.rank)
@@ -253,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", e)
         return 1
     if cuda_index is not None:
+        import torch
+
         # Before any other CUDA call: every call of this process, and the threads
         # that bind this device, run on this GPU. cudaSetDevice creates its context.
         t0 = time.perf_counter()

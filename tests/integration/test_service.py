@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,21 @@ def test_store_then_load_returns_the_same_bytes(make_cluster):
     assert not cluster.holds(ks, [0, 1, 2, 3])  # the source blocks were scrambled
     # Storing present keys again copies nothing.
     assert c.store(ks, [0, 1, 2, 3]).keys_accepted == []
+
+
+def test_a_cpu_worker_copies_without_loading_torch(make_cluster):
+    """On a node without a GPU the worker copies with numpy: importing torch would
+    cost it seconds at every start and restart, and some 200 MB."""
+    cluster = make_cluster()
+    c = cluster.client()
+    ks = keys(5, 6)
+    cluster.fill(ks, [0, 1])
+    assert wait_for(c, {c.store(ks, [0, 1]).job_id}).popitem()[1].success
+    assert c.lookup(ks, req_id="r").hits == 2
+    assert wait_for(c, {c.load(ks, [8, 9], req_id="r").job_id}).popitem()[1].success
+    assert cluster.holds(ks, [8, 9])
+    maps = Path(f"/proc/{cluster.node.pid('worker0')}/maps").read_text()
+    assert "libtorch" not in maps
 
 
 def test_batch_runs_one_step_in_one_round_trip(make_cluster):

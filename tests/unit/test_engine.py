@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from tierkv.engine import (
     KVLayoutError,
     OpenedKV,
     allocate_kv_cache,
+    block_views,
     open_kv_cache,
     sweep_stale_kv_segments,
 )
@@ -241,6 +243,10 @@ def test_from_tensors_checks_shapes_and_dtype():
         (lambda r: r["segments"][0].update(size=1 << 40), "registration says"),
         (lambda r: r["layout"].update(dtype="complex"), "registration layout"),
         (lambda r: r.update(storages=[{}], device="cuda"), "CUDA"),
+        # In bounds, but the bytes of a block are not one stretch per piece:
+        (lambda r: r["tensors"][0].update(stride=[384, 64, 16, 1, 8]),
+         "last dimension must be contiguous"),
+        (lambda r: r["tensors"][0].update(stride=[384, 64, 8, 32, 1]), "cannot be seen as"),
     ],
 )
 def test_open_validates_the_registration(instance, mutate, match):
@@ -249,6 +255,29 @@ def test_open_validates_the_registration(instance, mutate, match):
         mutate(reg)
         with pytest.raises(KVCacheError, match=match):
             open_kv_cache(reg)
+
+
+@pytest.mark.parametrize("layout", [
+    small_per_layer(),
+    KVLayout.blocks_outer(6, 3, 4, 2, 8, "bfloat16"),
+    KVLayout(5, 4, "float32", ((2, 5, 3), (4, 5, 1, 2)), 1),
+], ids=["per_layer", "blocks_outer", "mixed"])
+def test_a_cpu_cache_opens_as_the_bytes_of_its_blocks(instance, layout):
+    """What a CPU worker copies (numpy, no torch): each block's bytes, shared with
+    the engine both ways."""
+    with allocate_kv_cache(instance, 0, layout) as kv, \
+            open_kv_cache(kv.registration()) as opened:
+        for t in kv.tensors:
+            t.view(torch.uint8).random_(0, 256)
+        got = opened.byte_block_views()
+        want = [v.numpy() for v in block_views(kv.tensors, layout)]
+        assert opened.kind == "cpu" and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and np.array_equal(g, w)
+        got[-1][:, 2, :] = 7  # the worker's write of block 2 is the engine's
+        assert block_views(kv.tensors, layout)[-1][:, 2].eq(7).all()
+        assert opened.tensors[0].dtype == kv.tensors[0].dtype  # torch, when asked for
+        assert torch.equal(opened.tensors[0].view(torch.uint8), kv.tensors[0].view(torch.uint8))
 
 
 def test_open_a_vanished_segment_fails_clearly(instance):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 REGISTRATION_VERSION = 1
@@ -221,6 +222,33 @@ def block_views(tensors: Sequence[torch.Tensor], layout: KVLayout) -> list[torch
                 f"block_dim must be contiguous ({e})"
             ) from e
     return views
+
+
+def byte_block_views(arrays: Sequence[np.ndarray], layout: KVLayout) -> list[np.ndarray]:
+    """`block_views` of the byte arrays `_open_cpu` maps (each tensor's elements as
+    bytes, the last dimension ``itemsize`` times longer), in numpy: a CPU worker
+    copies with numpy and so never imports torch (seconds at every start)."""
+    views = []
+    for i, a in enumerate(arrays):
+        outer, inner = layout.geometry(i)
+        shape = (outer, layout.num_blocks, inner)
+        try:
+            views.append(_reshaped_in_place(a, shape))
+        except (ValueError, AttributeError) as e:
+            raise KVCacheError(
+                f"KV tensor {i} (byte strides {a.strides}) cannot be seen as {shape} bytes: "
+                f"the dimensions after block_dim must be contiguous ({e})") from e
+    return views
+
+
+def _reshaped_in_place(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`a` seen with `shape`, never a copy (a copy of a KV cache is gigabytes)."""
+    try:
+        return a.reshape(shape, copy=False)
+    except TypeError:  # numpy < 2.1: setting the shape refuses what needs a copy
+        view = a.view()
+        view.shape = shape
+        return view
 
 
 def check_tensors(tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:

@@ -26,25 +26,32 @@ from tierkv.engine.layout import (
     KVLayout,
     KVLayoutError,
     block_views,
+    byte_block_views,
     check_tensors,
 )
 from tierkv.engine.segments import (
     _NAME_RE,
+    _bytes_on_buffer,
     _close_map,
     _map_segment,
     _span_bytes,
-    _tensors_on_buffer,
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 log = logging.getLogger("tierkv.engine")
 
 class OpenedKV:
-    """The engine's KV cache as seen by the worker process: tensors viewing the
-    engine's memory. Used by the worker's main thread; `close` must come after the
-    transfer engine let go of it (`TransferEngine.attach` of the next one, or close)."""
+    """The engine's KV cache as seen by the worker process: views of the engine's
+    memory. Used by the worker's main thread; `close` must come after the transfer
+    engine let go of it (`TransferEngine.attach` of the next one, or close).
+
+    A CPU cache opened from its segments is held as numpy byte arrays
+    (`byte_block_views`), and torch tensors are made of them only when asked for
+    (`tensors`): a CPU worker copies with numpy, and importing torch takes it seconds
+    at every start and 200 MB."""
 
     def __init__(
         self,
@@ -52,10 +59,12 @@ class OpenedKV:
         layout: KVLayout,
         maps: list[tuple[str, mmap.mmap]] | None = None,
         source_pid: int = 0,
+        byte_arrays: list[np.ndarray] | None = None,
     ) -> None:
-        self.tensors = tensors
+        self._tensors = tensors
+        self._bytes = byte_arrays or []
         self.layout = layout
-        self.device = tensors[0].device
+        self.kind: str = tensors[0].device.type if tensors else "cpu"
         self.source_pid = source_pid
         self._maps = maps or []
 
@@ -67,16 +76,35 @@ class OpenedKV:
         return cls(tensors, layout, source_pid=os.getpid())
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        if not self._tensors and self._bytes:
+            import torch
+
+            dtype = self.layout.torch_dtype()
+            self._tensors = [torch.from_numpy(a).view(dtype) for a in self._bytes]
+        return self._tensors
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
     def closed(self) -> bool:
-        return not self.tensors
+        return not self._tensors and not self._bytes
 
     def block_views(self) -> list[torch.Tensor]:
         return block_views(self.tensors, self.layout)
 
+    def byte_block_views(self) -> list[np.ndarray]:
+        """`block_views` as numpy arrays, for the CPU copy path (CPU caches only)."""
+        if self._bytes:
+            return byte_block_views(self._bytes, self.layout)
+        return [v.numpy() for v in self.block_views()]
+
     def close(self) -> None:
-        """Release the tensor views, then unmap (CUDA: the IPC mappings close when
-        the last view dies). Idempotent."""
-        self.tensors = []
+        """Release the views, then unmap (CUDA: the IPC mappings close when the last
+        view dies). Idempotent."""
+        self._tensors, self._bytes = [], []
         maps, self._maps = self._maps, []
         for name, mm in maps:
             _close_map(mm, name)
@@ -88,7 +116,7 @@ class OpenedKV:
         self.close()
 
     def __repr__(self) -> str:
-        return f"OpenedKV({self.device}, {len(self.layout.tensor_shapes)} tensors)"
+        return f"OpenedKV({self.kind}, {len(self.layout.tensor_shapes)} tensors)"
 
 
 def open_kv_cache(registration: dict[str, Any]) -> OpenedKV:
@@ -159,7 +187,7 @@ def _open_cpu(segments: Any, specs: list[TensorSpec], layout: KVLayout, pid: Any
             maps.append((name, mm))
             if type(size) is not int or mm.size() < size:
                 raise KVCacheError(f"{name}: {mm.size()} bytes mapped, registration says {size!r}")
-        tensors = []
+        arrays = []
         for i, (src, off, shape, stride) in enumerate(specs):
             if src >= len(maps):
                 raise KVCacheError(f"tensors[{i}] source {src} is not one of {len(maps)} segments")
@@ -169,14 +197,14 @@ def _open_cpu(segments: Any, specs: list[TensorSpec], layout: KVLayout, pid: Any
                 raise KVCacheError(
                     f"tensors[{i}] ends at byte {end}, past the {mm.size()} bytes of {name}"
                 )
-            tensors += _tensors_on_buffer(mm, [(off, shape, stride)], layout.dtype)
-        block_views(tensors, layout)
+            arrays.append(_bytes_on_buffer(mm, off, shape, stride, layout.itemsize))
+        byte_block_views(arrays, layout)
     except BaseException:
-        tensors = []
+        arrays = []
         for name, mm in maps:
             _close_map(mm, name)
         raise
-    return OpenedKV(tensors, layout, maps, pid if type(pid) is int else 0)
+    return OpenedKV([], layout, maps, pid if type(pid) is int else 0, byte_arrays=arrays)
 
 
 _STORAGE_FIELDS: dict[str, type | tuple[type, ...]] = {

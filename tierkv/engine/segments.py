@@ -16,6 +16,7 @@ from tierkv.core.shm import owner_alive
 from tierkv.engine.layout import DTYPE_SIZES, KVCacheError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 log = logging.getLogger("tierkv.engine")
@@ -66,6 +67,25 @@ def _tensors_on_buffer(
         flat = base[offset : offset + nbytes].view(tdtype)
         out.append(flat.as_strided(tuple(shape), tuple(stride)))
     return out
+
+
+def _bytes_on_buffer(mm: mmap.mmap, offset: int, shape: Sequence[int], stride: Sequence[int],
+                     itemsize: int) -> np.ndarray:
+    """One tensor (offset bytes, shape, stride in elements) viewing `mm` as uint8, its
+    last dimension `itemsize` times longer: what a CPU worker copies, without torch.
+    Bounds were checked by the caller; the view holds a buffer export of the map,
+    as `_tensors_on_buffer`'s do."""
+    import numpy as np
+
+    shape, stride = list(shape), list(stride)
+    if itemsize > 1 and shape and shape[-1] > 1 and stride[-1] != 1:
+        raise KVCacheError(f"a KV tensor's last dimension must be contiguous, its stride is "
+                           f"{stride[-1]}")
+    if shape:
+        shape[-1] *= itemsize
+        stride = [s * itemsize for s in stride[:-1]] + [1]
+    base = np.frombuffer(mm, dtype=np.uint8, count=_span_bytes(shape, stride, 1), offset=offset)
+    return np.lib.stride_tricks.as_strided(base, tuple(shape), tuple(stride), writeable=True)
 
 
 def _span_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:

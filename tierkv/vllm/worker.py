@@ -340,7 +340,7 @@ class TierkvOffloadingWorker(OffloadingWorker):
             _, old = self._engines.popitem(last=False)
             self._close(old)
         log.info("rank %d copies with %s's CPU tier (region %s, %s backend)", self.rank,
-                 self.instance, current, self._kv.device.type)
+                 self.instance, current, self._kv.kind)
         return engines
 
     def _close(self, engines: list[TransferEngine], region: SharedRegion | None = None) -> None:

@@ -227,9 +227,9 @@ def _views(kv: OpenedKV, region: SharedRegion, rank: int) -> _Views:
     stride = region.layout.row_stride
     base = rank * region.layout.page_size
     kv_side, region_side = [], []
-    for i, bv in enumerate(kv.block_views()):
+    for i, bv in enumerate(kv.byte_block_views()):
         outer, inner = layout.geometry(i)
-        kv_side.append(bv.numpy().transpose(1, 0, 2))
+        kv_side.append(bv.transpose(1, 0, 2))
         start = base + layout.page_offsets[i]
         region_side.append(np.lib.stride_tricks.as_strided(
             rows[:, start:], (region.layout.num_blocks, outer, inner), (stride, inner, 1)

@@ -80,6 +80,7 @@ class Backend(Protocol):
     """One device kind's copy machinery. Methods run on the worker's main thread."""
 
     kind: str
+    device: Any  # CUDA: the torch.device it copies on; CPU: None (any CPU cache)
 
     def attach(self, kv: OpenedKV | None) -> None:
         """Wait for the jobs in flight, then use `kv` (None: let go of the old one)."""
@@ -178,12 +179,11 @@ class TransferEngine:
                 f"KV cache page_size {kv.layout.page_size} (one block, all tensors) does not "
                 f"match the CPU tier's page_size {page}"
             )
-        kind = kv.device.type
+        kind = kv.kind
         if self.device != "auto" and self.device.split(":")[0] != kind:
             raise TransferError(f"this engine copies for {self.device}, the KV cache is on {kind}")
         old = self._backend
-        if old is None or old.kind != kind or getattr(old, "device", None) not in (
-                None, kv.device):
+        if old is None or old.kind != kind or (kind == "cuda" and old.device != kv.device):
             # A new backend is made and attached before the old one is let go: if
             # that fails, the KV cache that works stays attached.
             new = self._make_backend(kind, kv)
