@@ -22,8 +22,8 @@ from tierkv.client import Client
 from tierkv.core.shm import process_start_time
 from tierkv.engine import KVLayout, allocate_kv_cache
 from tierkv.node.config import Config, dump_config, tier_name
-from tierkv.node.lifecycle import ChildFailed
-from tierkv.node.supervisor import Node
+from tierkv.node.lifecycle import READY_FD_ENV, ChildFailed
+from tierkv.node.supervisor import ChildSpec, Node
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -246,6 +246,34 @@ def test_start_stop_cycles_leave_nothing_and_say_stopped_once_per_process(tmp_pa
                 assert any(f"pid={pid} " in line for line in stopped), (name, stopped)
             assert stopped[-1].endswith(f"node {instance} stopped")
         assert "[supervisor]" in this_run and "[broker]" in this_run and "[tier:m]" in this_run
+
+
+# A child that counts the SIGTERMs it gets until it has been quiet for half a second,
+# and exits with that count less one: 0 when it was asked to stop once.
+COUNTING_CHILD = f"""
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append(time.monotonic()))
+fd = int(os.environ["{READY_FD_ENV}"])
+os.write(fd, b"ready\\n")
+os.close(fd)
+while not got or time.monotonic() - got[-1] < 0.5:
+    time.sleep(0.01)
+sys.exit(len(got) - 1)
+"""
+
+
+def test_a_node_stop_sends_each_child_one_sigterm(tmp_path, monkeypatch):
+    """A second SIGTERM could reach a child after it stopped cleanly, while Python
+    exits with the default handler back: it then died of it (-15) and the stop
+    reported it as a failure."""
+    specs = Node.specs
+    monkeypatch.setattr(Node, "specs", lambda self: [*specs(self), ChildSpec(
+        "tier:counting:0", "tier", (sys.executable, "-c", COUNTING_CHILD))])
+    node = Node(make_config(new_instance(), tmp_path / "run"))
+    node.start()
+    codes = node.stop()
+    assert "tier:counting:0" in codes and codes == dict.fromkeys(codes, 0), codes
 
 
 def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import select
+import signal
 import stat
 import subprocess
 import threading
@@ -296,16 +297,19 @@ def wait_ready(children: Sequence[Child], timeout: float) -> None:
                 )
 
 
-def stop(child: Child, timeout: float = 10.0, sig: int = 15) -> int | None:
-    """SIGTERM (or `sig`), wait, then SIGKILL. Returns the exit code."""
+def stop(child: Child, timeout: float = 10.0, sig: int | None = 15) -> int | None:
+    """SIGTERM (or `sig`; None: the caller sent it already), wait, then SIGKILL.
+    Returns the exit code. Never signals twice: Python restores the default handler
+    as it exits, so a second SIGTERM there kills a process that was stopping cleanly."""
     try:
         if child.proc.poll() is None:
             try:
-                child.proc.send_signal(sig)
+                if sig is not None:
+                    child.proc.send_signal(sig)
                 return child.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) ignored signal %d for %.0fs: killing it", child.name,
-                            child.pid, sig, timeout)
+                            child.pid, signal.SIGTERM if sig is None else sig, timeout)
                 child.proc.kill()
         return child.proc.wait(10)
     finally:

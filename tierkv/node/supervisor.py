@@ -194,7 +194,7 @@ class Node:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for child in others:
-            codes[child.name] = stop(child, max(0.1, deadline - time.monotonic()))
+            codes[child.name] = stop(child, max(0.1, deadline - time.monotonic()), sig=None)
         self.children.clear()
         self.registry.clear()
         if self.s3 is not None:
