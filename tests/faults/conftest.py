@@ -35,9 +35,11 @@ def fault_seed() -> int:
     return seed
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def nut(tmp_path_factory: pytest.TempPathFactory, fault_seed: int) -> Iterator[NodeUnderTest]:
-    """The shared node under test, torn down by pid with nothing left behind."""
+    """The shared node under test, torn down by pid with nothing left behind once
+    tests/faults are done (not at the session's end: idle, it still takes a third of
+    a core from every later test)."""
     work = tmp_path_factory.mktemp("faults")
     disk = work / "disk"
     disk.mkdir()

@@ -243,6 +243,8 @@ def block_bytes(block_hash: bytes, size: int) -> np.ndarray:
 
 #: Bound on every wait of the stand-in model's thread and of its shutdown.
 MODEL_WAIT_S = 60.0
+#: `Engine.run`'s pause after a step that scheduled nothing.
+IDLE_STEP_S = 0.001
 
 _Check = tuple[str, int, int, int, bytes]  # req_id, group, block index, GPU block, hash
 _Write = tuple[int, int, bytes]  # group, GPU block, hash
@@ -342,6 +344,7 @@ class Engine:
     mismatches: list[str] = field(default_factory=list)
     finished: dict[str, list[int]] = field(default_factory=dict)
     steps: int = 0
+    idle: bool = False  # the last step scheduled nothing
     # The scheduler's part of each step: schedule() + update_from_output().
     step_seconds: list[float] = field(default_factory=list)
     tokens: Counter[str] = field(default_factory=Counter)
@@ -396,6 +399,12 @@ class Engine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: requests still running after {timeout_s}s")
             self.step()
+            if self.idle:
+                # Nothing to compute (requests wait for their loads): a real engine
+                # waits here too. Stepping on at once starves the model's thread of
+                # the GIL (each of its numpy calls waits a switch interval for it), and
+                # so the loads ordered after its writes: a minute instead of a second.
+                time.sleep(IDLE_STEP_S)
         if self._model is not None:
             self._model.release()
         for _ in range(3):  # let the last stores finish and their commits reach the node
@@ -407,6 +416,7 @@ class Engine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - start
+        self.idle = not out.total_num_scheduled_tokens
         self.tokens["preemptions"] += len(out.preempted_req_ids or ())
         if self.worker is not None:
             connector_output = self._work(out)
