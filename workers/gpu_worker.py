@@ -153,11 +153,13 @@ class WorkerService(PeerService):
         from tierkv.engine import open_kv_cache
 
         try:
-            if self.cuda_index is None and _registered_device(msg.registration) == "cuda":
+            registration = msg.registration
+            if (self.cuda_index is None and isinstance(registration, dict)
+                    and registration.get("device") == "cuda"):
                 # Refused before opening: that would import torch inside the loop.
                 raise ValueError("this worker copies on the CPU (it sees no GPU or was "
                                  "started with --device cpu): it cannot open a CUDA KV cache")
-            kv = open_kv_cache(msg.registration)
+            kv = open_kv_cache(registration)
             try:
                 self.engine.attach(kv)
             except Exception:
@@ -199,10 +201,6 @@ class WorkerService(PeerService):
             self.kv.close()
         self.kv, self.registration = None, None
         self.registration_token = ""
-
-
-def _registered_device(registration: Any) -> Any:
-    return registration.get("device") if isinstance(registration, dict) else None
 
 
 def resolve_device(device: str, rank: int) -> tuple[str, int | None]:

@@ -43,6 +43,14 @@ def test_a_cpu_worker_copies_without_loading_torch(make_cluster):
     assert c.lookup(ks, req_id="r").hits == 2
     assert wait_for(c, {c.load(ks, [8, 9], req_id="r").job_id}).popitem()[1].success
     assert cluster.holds(ks, [8, 9])
+    # A CUDA cache is refused without opening it (that would load torch), and the
+    # CPU cache stays attached.
+    cuda = {**cluster.kv[0].registration(), "device": "cuda", "storages": []}
+    with pytest.raises(RemoteError, match="copies on the CPU"):
+        c.register_kv(0, cuda, token=cluster.registration_tokens[0])
+    assert c.lookup(ks, req_id="r2").hits == 2
+    assert wait_for(c, {c.load(ks, [10, 11], req_id="r2").job_id}).popitem()[1].success
+    assert cluster.holds(ks, [10, 11])
     maps = Path(f"/proc/{cluster.node.pid('worker0')}/maps").read_text()
     assert "libtorch" not in maps
 
