@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -187,25 +188,49 @@ def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
     return fields
 
 
+# Values that go on the wire as they are (exact types: an enum member is not one).
+_PLAIN = frozenset(_SCALARS)
+# Per type met: a record type's getter of every field's value at once (C-level),
+# with the names and defaults `_fields` gives; None for any other type.
+_Getter = tuple[Callable[[Any], tuple[Any, ...]], tuple[str, ...], tuple[Any, ...]]
+_GETTERS: dict[type, _Getter | None] = {}
+_UNSEEN: Any = object()
+
+
+def _getter(cls: type) -> _Getter:
+    names = tuple(name for name, _ in _fields(cls))
+    get = operator.attrgetter(*names) if len(names) > 1 else \
+        (lambda value: (getattr(value, names[0]),)) if names else (lambda value: ())
+    return get, names, tuple(default for _, default in _fields(cls))
+
+
 def _to_wire(value: Any) -> Any:
-    if isinstance(value, _SCALARS):
-        return value.value if isinstance(value, enum.Enum) else value
-    if isinstance(value, (list, tuple)):
-        # Lists are homogeneous (typed fields): a list of scalars goes as it is.
-        if not value or isinstance(value[0], _SCALARS) and not isinstance(value[0], enum.Enum):
-            return value if type(value) is list else list(value)
-        return [_to_wire(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    getter = _GETTERS.get(kind, _UNSEEN)
+    if getter is _UNSEEN:  # a type met for the first time: a record type or not
+        getter = _GETTERS[kind] = _getter(kind) if dataclasses.is_dataclass(kind) else None
+    if getter is not None:  # a record: the fields not at their default
+        get, names, defaults = getter
         out = {}
-        for name, default in _fields(type(value)):
-            v = getattr(value, name)
+        for name, default, v in zip(names, defaults, get(value), strict=True):
             if default is _NO_DEFAULT or not (v is default or v == default):
-                out[name] = _to_wire(v)
+                out[name] = v if type(v) in _PLAIN else _to_wire(v)
         return out
     if isinstance(value, enum.Enum):
         return value.value
+    if kind is list or kind is tuple:
+        # Lists are homogeneous (typed fields): a list of scalars goes as it is.
+        if not value or type(value[0]) in _PLAIN:
+            return value if kind is list else list(value)
+        return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
+    if isinstance(value, _SCALARS):  # a subclass of one (not an enum)
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
     return value
 
 
@@ -223,9 +248,9 @@ def _from_wire(cls: type[T], obj: Any, where: str) -> T:
         for name, (check, _) in checkers.items():
             if name in obj:
                 kwargs[name] = check(obj[name], f"{where}.{name}")
-    missing = _REQUIRED[cls] - kwargs.keys()
-    if missing:
-        raise ProtocolError(f"{where}: missing field {min(missing)!r}")
+    required = _REQUIRED[cls]
+    if required and not kwargs.keys() >= required:
+        raise ProtocolError(f"{where}: missing field {min(required - kwargs.keys())!r}")
     return cls(**kwargs)
 
 
