@@ -46,6 +46,7 @@ import os
 import random
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -105,6 +106,12 @@ class Timed:
     # Of the requests first asked about while timed, the share the back end answered
     # in that step (vLLM's connector did not defer them to a later step).
     answered_first: float = 0.0
+    # Per timed step, the seconds of vLLM's `add_request` for the requests added just
+    # before it: the back end's hook runs there, on the engine's thread as the step.
+    add_seconds: list[float] = field(default_factory=list)
+
+    def with_adds(self) -> list[float]:
+        return [s + a for s, a in zip(self.seconds, self.add_seconds, strict=True)]
 
 
 def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
@@ -127,9 +134,11 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
     with node as running:
         engine = make_engine(shape, make_extra(running), copy=False, name="bench")
         first = _first_answers(engine.scheduler.connector)
+        adding = _add_seconds(engine.scheduler)
         try:
             serial = 0
             times: list[float] = []
+            adds: list[float] = []
             hits_before = admitted = 0
             started: set[str] = set()
             for step in range(workload.warmup + workload.steps):
@@ -150,9 +159,11 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                             admitted += req.num_prompt_tokens
                 if step >= workload.warmup:
                     times.append(engine.step_seconds[-1])
+                    adds.append(adding[0])
+                adding[0] = 0.0
             answered = sum(first.values()) / len(first) if first else 0.0
             return Timed(times, engine.tokens["external_hits"] - hits_before, admitted,
-                         answered)
+                         answered, adds)
         finally:
             engine.close()
 
@@ -170,6 +181,23 @@ def _first_answers(connector: Any) -> dict[str, bool]:
 
     connector.get_num_new_matched_tokens = asked
     return first
+
+
+def _add_seconds(scheduler: Any) -> list[float]:
+    """vLLM's `add_request` timed (both back ends pay the same wrap): the seconds
+    since the list's one item was last set to 0."""
+    spent = [0.0]
+    add = scheduler.add_request
+
+    def timed(request: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return add(request)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    scheduler.add_request = timed
+    return spent
 
 
 def vllm_cpu_extra(cpu_blocks: int) -> Callable[[Any], dict[str, Any]]:
@@ -193,12 +221,23 @@ class Overhead:
     their_admitted: list[int] = field(default_factory=list)
     our_answered: list[float] = field(default_factory=list)  # `Timed.answered_first`
     their_answered: list[float] = field(default_factory=list)
+    # Medians of each step with the `add_request` calls before it (`Timed.with_adds`).
+    our_with_adds: list[float] = field(default_factory=list)
+    their_with_adds: list[float] = field(default_factory=list)
 
     def answered(self) -> str:
         """Admission: the share of requests answered in the step that first asked."""
         return (f"requests answered in the step first asking: tierkv "
                 f"{statistics.median(self.our_answered):.1%}, vLLM "
                 f"{statistics.median(self.their_answered):.1%} (goal >= {ANSWERED_GOAL:.0%})")
+
+    def with_adds(self) -> str:
+        """The step with the requests added before it: vLLM adds them on the engine's
+        thread too, and tierkv looks a request up when it is added."""
+        ours, theirs = statistics.median(self.our_with_adds), \
+            statistics.median(self.their_with_adds)
+        return (f"with the add_request calls before each step: tierkv {ours * 1e3:.3f} ms, "
+                f"vLLM {theirs * 1e3:.3f} ms, ratio {ours / theirs:.2f}")
 
 
 def overhead(workload: Workload, repeats: int) -> Overhead:
@@ -218,6 +257,8 @@ def overhead(workload: Workload, repeats: int) -> Overhead:
         out.our_admitted.append(ours.admitted_tokens)
         out.their_answered.append(theirs.answered_first)
         out.our_answered.append(ours.answered_first)
+        out.their_with_adds.append(statistics.median(theirs.with_adds()))
+        out.our_with_adds.append(statistics.median(ours.with_adds()))
     return out
 
 
@@ -364,7 +405,8 @@ def run(part: Part, opts: Options) -> None:
                           f"hit tokens while timed: tierkv {statistics.median(o.our_hits):,.0f}"
                           f", vLLM {statistics.median(o.their_hits):,.0f}; prompt tokens "
                           f"admitted per step: tierkv {per_step(o.our_admitted, steps):,.0f}"
-                          f", vLLM {per_step(o.their_admitted, steps):,.0f}; {o.answered()}"))
+                          f", vLLM {per_step(o.their_admitted, steps):,.0f}; {o.answered()}"
+                          f"; {o.with_adds()}"))
         if with_peer and not isinstance(env, str) and not part.over_budget(
                 f"LMCache MP, {name}"):
             try:
@@ -439,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio tierkv / vLLM: {statistics.median(o.ours) / statistics.median(o.theirs):.2f} "
           f"(goal <= {OVERHEAD_GOAL})")
     print(o.answered())
+    print(o.with_adds())
     env = peer_env_or_reason()
     if isinstance(env, str):
         print(env)
