@@ -2,7 +2,7 @@
 that writes them and reads (and validates) them.
 
 Wire format: one msgpack map per ZeroMQ frame, `{"v": version, "op": name, ...}`
-(`use_bin_type=True`, `raw=False`, string map keys only). Message types are frozen
+(`use_bin_type=True`, `raw=False`, string map keys only). Message types are
 dataclasses registered by `op` (`tierkv.wire.protocol` defines them all). Decoding
 validates every field against the type hints (checkers are built once per class),
 so a wrong type, a missing field, an unknown op or an oversized list becomes a
