@@ -302,6 +302,23 @@ def test_keys_asked_last_to_first_are_answered_within_two_steps(
     assert answers[-1] == [LookupResult.HIT] * 6, answers
 
 
+def test_keys_are_split_by_group_as_vllm_reads_a_key_s_group():
+    """A request's keys go to their KV-cache group by their last 4 bytes, read once per
+    group: the same split as vLLM's `get_offload_group_idx` key by key, in order."""
+    from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
+
+    from tierkv.vllm.lookups import by_group
+
+    chains = [chunk_keys(5, group=g, seed=g % 256) for g in (0, 1, 7, 256)]
+    mixed = [key for four in zip(*chains, strict=True) for key in four][::-1]
+    expected: dict[int, list[bytes]] = {}
+    for key in mixed:
+        expected.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
+    assert by_group(mixed) == expected
+    assert list(expected) == [256, 7, 1, 0]
+    assert by_group([]) == {}
+
+
 def test_a_vllm_without_the_request_key_record_is_stopped_at_start(
         start_node, monkeypatch):
     """`sync_lookups` and tierkv's policies read vLLM's private record of a request's

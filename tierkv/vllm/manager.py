@@ -63,7 +63,6 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
-    get_offload_group_idx,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -81,6 +80,7 @@ from tierkv.vllm.lookups import (
     KnownPresent,
     RequestLookups,
     asked_chains,
+    by_group,
     chain_for,
     forget_misses,
     head_first,
@@ -273,16 +273,13 @@ class TierkvOffloadingManager(OffloadingManager):
         if state.ahead is not None:
             return state.ahead
         ctx = state.ctx
-        chains: dict[int, list[tuple[int, bytes]]] = {}
-        for key, position in request_keys(ctx).items():
-            chains.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(
-                (position, bytes(key)))
+        positions = request_keys(ctx)
         most = self.options.max_lookup_keys
         picked = []
-        for group, chain in chains.items():
-            chain.sort()
+        for group, chain in by_group(positions).items():
+            chain.sort(key=positions.__getitem__)
             chain = chain[-most:] if group in self.window_groups else chain[:most]
-            picked.append((ctx.req_id, group, [k for _, k in chain]))
+            picked.append((ctx.req_id, group, chain))
         state.ahead = picked
         state.ahead_keys = frozenset(k for _, _, keys in picked for k in keys)
         return picked
@@ -729,8 +726,8 @@ class TierkvOffloadingManager(OffloadingManager):
 
     def _chunks_per_group(self, keys: Iterable[bytes]) -> list[int]:
         counts = dict.fromkeys(self.group_ids, 0)
-        for key in keys:
-            counts[get_offload_group_idx(OffloadKey(key))] += 1
+        for group, chunks in by_group(keys).items():
+            counts[group] += len(chunks)
         return list(counts.values())
 
     @staticmethod
