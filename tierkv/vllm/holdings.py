@@ -133,7 +133,13 @@ class Holdings:
     def busy(self, chunk: bytes, keys: Iterable[bytes]) -> bool:
         """Whether a store of `chunk` would clash with this engine's own: it is being
         written, or a commit of one of its keys is not confirmed yet."""
-        return chunk in self.writing or any(k in self.committing for k in keys)
+        if chunk in self.writing:
+            return True
+        committing = self.committing
+        for key in keys:  # a loop, not any(): a store asks this of every chunk offered
+            if key in committing:
+                return True
+        return False
 
     def end_store(self, chunk: bytes, req_id: str | None, ok: bool) -> bytes | None:
         """The store job of `req_id` (None: whichever) that writes `chunk` ended: owe
