@@ -37,6 +37,10 @@ from tierkv.wire.keyblob import check_blob, key_count, unpack_counts
 REGISTRATION_DEPTH = 8
 REGISTRATION_NODES = 100_000
 
+# Messages are frozen records, but for the four every round trip builds on both sides
+# (`Reply`, `KeyGroups`, `OpsRequest`, `OpsResult`): a frozen `OpsResult` took 7.9 us
+# to build, 1.7 us not frozen. Nothing changes a message once it is built.
+
 
 # -- shared records ---------------------------------------------------------------------
 
@@ -48,7 +52,7 @@ class ErrorInfo:
 
 
 @message("reply")
-@dataclass(slots=True)  # not frozen: every round trip builds these (a frozen one costs ~8 us more)
+@dataclass(slots=True)  # built at every round trip: not frozen (note at the top)
 class Reply(Message):
     id: int
     ok: bool
@@ -105,7 +109,7 @@ class Bye(Message):
 # section.
 
 
-@dataclass(slots=True)  # not frozen: every round trip builds these (a frozen one costs ~8 us more)
+@dataclass(slots=True)  # built at every round trip: not frozen (note at the top)
 class KeyGroups:
     """Groups of keys, one per request: `counts` (int32 little endian) keys each,
     taken in order from the message's key blob; `req_ids` one per group (or none)."""
@@ -147,7 +151,7 @@ _PER_ITEM = {"commit": ("commit_ok", 1, False), "store": ("store_gpu", 4, True),
 
 
 @message("ops")
-@dataclass(slots=True)  # not frozen: every round trip builds these (a frozen one costs ~8 us more)
+@dataclass(slots=True)  # built at every round trip: not frozen (note at the top)
 class OpsRequest(Message):
     """Every operation of one engine step (see the section comment above)."""
 
@@ -254,7 +258,7 @@ class TransferResult:
     error: str = ""
 
 
-@dataclass(slots=True)  # not frozen: every round trip builds these (a frozen one costs ~8 us more)
+@dataclass(slots=True)  # built at every round trip: not frozen (note at the top)
 class OpsResult:
     """The answers of an `ops` request: arrays, one item per group or per key."""
 
