@@ -319,6 +319,30 @@ def test_keys_are_split_by_group_as_vllm_reads_a_key_s_group():
     assert by_group([]) == {}
 
 
+def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest():
+    """A lookup's reply read into per-chunk answers: each hit with its row and the
+    tierkv key pinned for it, a hit whose pin was refused a miss, and every chunk after
+    the run one shared answer (retry when the broker said to ask again)."""
+    from tierkv.client import Lookup
+    from tierkv.vllm.layout import KeyMap
+    from tierkv.vllm.lookups import read_answers
+
+    keymap = KeyMap(b"ns")
+    chain = chunk_keys(6)
+    found = Lookup(3, True, False, rows=[5, -1, 7, -1, -1, -1], region="r1", pin_s=10.0)
+    answers = read_answers(chain, found, keymap, until=4, asked_at=100.0)
+    assert list(answers) == chain
+    first, refused, third, *rest = (answers[c] for c in chain)
+    assert (first.status, first.row, first.pinned, first.region, first.until) == (
+        LookupResult.HIT, 5, [b"ns" + chain[0]], "r1", 4)
+    assert first.held_until == 105.0  # half the broker's pin time, from the ask
+    assert third.row == 7 and third.pinned == [b"ns" + chain[2]]
+    assert refused.status is LookupResult.MISS and not refused.pinned
+    assert {a.status for a in rest} == {LookupResult.RETRY} and len({id(a) for a in rest}) == 1
+    lost = read_answers(chain, None, keymap, until=4, asked_at=100.0)
+    assert {a.status for a in lost.values()} == {LookupResult.MISS}
+
+
 def test_a_vllm_without_the_request_key_record_is_stopped_at_start(
         start_node, monkeypatch):
     """`sync_lookups` and tierkv's policies read vLLM's private record of a request's

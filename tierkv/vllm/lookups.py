@@ -188,30 +188,40 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
     lookup failed, every chunk a miss. `asked_at`: when the lookup was made, before
     the broker pinned anything."""
+    if found is None:
+        return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
     # Answers that are not hits hold nothing and are never changed: one of each
     # status serves every chunk (an engine step makes thousands). Keyed by the
     # status's name: an enum member's hash is a Python call.
     others: dict[str, Answer] = {}
-    if found is None:
-        return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
+
+    def other(name: str) -> Answer:
+        answer = others.get(name)
+        if answer is None:
+            answer = others[name] = Answer(STATUS[name], until)
+        return answer
+
     rows = found.rows or [-1] * len(chain)
-    if found.statuses is None:  # a leading run
-        rest = "retry" if found.pending or found.retry else "miss"
-        statuses = ["hit"] * found.hits + [rest] * (len(chain) - found.hits)
-        sources: Sequence[str | None] = [None] * len(chain)
-    else:
-        statuses = found.statuses
-        sources = found.sources or [None] * len(chain)
-    answers: dict[bytes, Answer] = {}
-    hit, region, key = LookupResult.HIT, found.region, keymap.key
     held_until = asked_at + found.pin_s * PIN_TRUSTED
-    for chunk, status, row, source in zip(chain, statuses, rows, sources, strict=True):
+    hit, region, prefix = LookupResult.HIT, found.region, keymap.prefix
+    answers: dict[bytes, Answer] = {}
+    # The chunks were keyed with this prefix when they were asked (`KeyMap.keys`
+    # checked their length then). A hit whose pin was refused (the owner's share)
+    # reads as a miss.
+    if found.statuses is None:  # a leading run: its hits, then one answer for the rest
+        hits = found.hits
+        for chunk, row in zip(chain[:hits], rows[:hits], strict=True):
+            answers[chunk] = Answer(hit, until, row, [prefix + chunk], None, region,
+                                    held_until) if row >= 0 else other("miss")
+        if hits < len(chain):
+            answers.update(dict.fromkeys(
+                chain[hits:], other("retry" if found.pending or found.retry else "miss")))
+        return answers
+    sources = found.sources or [None] * len(chain)
+    for chunk, status, row, source in zip(chain, found.statuses, rows, sources, strict=True):
         if status == "hit" and row >= 0:
-            answers[chunk] = Answer(hit, until, row, [key(chunk)], source, region, held_until)
-        else:  # a hit whose pin was refused (the owner's share) reads as a miss
-            name = "miss" if status == "hit" else status
-            answer = others.get(name)
-            if answer is None:
-                answer = others[name] = Answer(STATUS[name], until)
-            answers[chunk] = answer
+            answers[chunk] = Answer(hit, until, row, [prefix + chunk], source, region,
+                                    held_until)
+        else:
+            answers[chunk] = other("miss" if status == "hit" else status)
     return answers
