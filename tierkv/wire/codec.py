@@ -198,10 +198,11 @@ _UNSEEN: Any = object()
 
 
 def _getter(cls: type) -> _Getter:
-    names = tuple(name for name, _ in _fields(cls))
+    fields = _fields(cls)
+    names = tuple(name for name, _ in fields)
     get = operator.attrgetter(*names) if len(names) > 1 else \
         (lambda value: (getattr(value, names[0]),)) if names else (lambda value: ())
-    return get, names, tuple(default for _, default in _fields(cls))
+    return get, names, tuple(default for _, default in fields)
 
 
 def _to_wire(value: Any) -> Any:
@@ -220,18 +221,14 @@ def _to_wire(value: Any) -> Any:
         return out
     if isinstance(value, enum.Enum):
         return value.value
-    if kind is list or kind is tuple:
+    if isinstance(value, (list, tuple)):
         # Lists are homogeneous (typed fields): a list of scalars goes as it is.
         if not value or type(value[0]) in _PLAIN:
             return value if kind is list else list(value)
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
-    if isinstance(value, _SCALARS):  # a subclass of one (not an enum)
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
-    return value
+    return value  # a scalar of a subclass (not an enum), or what msgpack refuses
 
 
 def _from_wire(cls: type[T], obj: Any, where: str) -> T:
