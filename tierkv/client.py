@@ -530,13 +530,12 @@ class Client:
 class _Section:
     """One section of a batch: its groups of keys (one per call), in call order."""
 
-    __slots__ = ("calls", "extra", "groups", "req_ids")
+    __slots__ = ("extra", "groups", "req_ids")
 
     def __init__(self) -> None:
         self.groups: list[Sequence[OffloadKey]] = []
         self.req_ids: list[str] = []
         self.extra: list[Any] = []  # per call: gpu ids (store, load) or ok (commit)
-        self.calls: list[int] = []  # the result slot of each group
 
 
 _SECTIONS = KEY_SECTIONS
@@ -560,7 +559,9 @@ class Batch:
     def _add(self, name: str, keys: Sequence[OffloadKey], req_id: str | None = None,
              extra: Any = None) -> Batch:
         # Keys are checked once for the whole batch, when it is packed (`request`).
-        section = self._sections.setdefault(name, _Section())
+        section = self._sections.get(name)
+        if section is None:  # not `setdefault`: it would build a section per call
+            section = self._sections[name] = _Section()
         section.groups.append(keys if isinstance(keys, (list, tuple)) else list(keys))
         section.req_ids.append(req_id or "")
         section.extra.append(extra)

@@ -28,7 +28,7 @@ from tests.vllm.conftest import (
     settle,
 )
 from tierkv.bench.vllm_engine import Engine
-from tierkv.client import Client
+from tierkv.client import Client, Lookup
 
 
 def stored(manager, keys: list[bytes], req_id: str = "writer") -> None:
@@ -323,7 +323,6 @@ def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest(
     """A lookup's reply read into per-chunk answers: each hit with its row and the
     tierkv key pinned for it, a hit whose pin was refused a miss, and every chunk after
     the run one shared answer (retry when the broker said to ask again)."""
-    from tierkv.client import Lookup
     from tierkv.vllm.layout import KeyMap
     from tierkv.vllm.lookups import read_answers
 
@@ -341,6 +340,29 @@ def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest(
     assert {a.status for a in rest} == {LookupResult.RETRY} and len({id(a) for a in rest}) == 1
     lost = read_answers(chain, None, keymap, until=4, asked_at=100.0)
     assert {a.status for a in lost.values()} == {LookupResult.MISS}
+
+
+@pytest.mark.parametrize("found", [
+    Lookup(3, True, False, rows=[5, 6, 7, -1, -1, -1]),  # a run, then ask again
+    Lookup(3, True, True),  # a run, then nothing could start
+    Lookup(3, False, False),  # a run, then misses
+    Lookup(6, False, False),  # all hits
+    Lookup(0, False, False, statuses=["hit", "miss", "pending", "miss", "hit", "miss"],
+           rows=[1, -1, -1, -1, 2, -1]),  # key by key, one being written
+    Lookup(0, False, False, statuses=["hit", "miss", "retry", "miss", "miss", "miss"]),
+    Lookup(0, False, False, statuses=["hit", "miss", "miss", "miss", "hit", "miss"]),
+    None,  # the lookup failed
+], ids=["run-pending", "run-retry", "run-miss", "all-hits", "keys-pending", "keys-retry",
+        "keys-miss", "failed"])
+def test_whether_a_reply_defers_its_request_is_what_its_answers_say(found):
+    """`defers` reads off the reply what its answers say (a request told RETRY or
+    HIT_PENDING for a key is asked about again), without walking them."""
+    from tierkv.vllm.layout import KeyMap
+    from tierkv.vllm.lookups import AGAIN, defers, read_answers
+
+    chain = chunk_keys(6)
+    answers = read_answers(chain, found, KeyMap(b"ns"), until=4, asked_at=100.0)
+    assert defers(found, len(chain)) == any(a.status in AGAIN for a in answers.values())
 
 
 def test_a_vllm_without_the_request_key_record_is_stopped_at_start(

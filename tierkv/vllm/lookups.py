@@ -183,11 +183,24 @@ def asked_chains(state: RequestLookups) -> dict[int, list[bytes]]:
     return by_group(head_first(state.asks, state.ctx))
 
 
+def defers(found: Lookup | None, chunks: int) -> bool:
+    """Whether any of a lookup's answers (`read_answers`) is RETRY or HIT_PENDING,
+    read off the reply rather than walking its answers (a request's hits come first,
+    hundreds of them)."""
+    if found is None:
+        return False
+    if found.statuses is None:
+        return found.hits < chunks and (found.pending or found.retry)
+    return "retry" in found.statuses or "pending" in found.statuses
+
+
 def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
-                 until: int, asked_at: float) -> dict[bytes, Answer]:
-    """Per chunk of `chain` (one tierkv key each), its answer. `found` None: the
-    lookup failed, every chunk a miss. `asked_at`: when the lookup was made, before
-    the broker pinned anything."""
+                 until: int, asked_at: float, hits_until: int | None = None
+                 ) -> dict[bytes, Answer]:
+    """Per chunk of `chain` (one tierkv key each), its answer, served until step
+    `until` (a hit until `hits_until`, if given). `found` None: the lookup failed,
+    every chunk a miss. `asked_at`: when the lookup was made, before the broker
+    pinned anything."""
     if found is None:
         return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
     # Answers that are not hits hold nothing and are never changed: one of each
@@ -204,6 +217,7 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     rows = found.rows or [-1] * len(chain)
     held_until = asked_at + found.pin_s * PIN_TRUSTED
     hit, region, prefix = LookupResult.HIT, found.region, keymap.prefix
+    held = until if hits_until is None else hits_until
     answers: dict[bytes, Answer] = {}
     # The chunks were keyed with this prefix when they were asked (`KeyMap.keys`
     # checked their length then). A hit whose pin was refused (the owner's share)
@@ -211,7 +225,7 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     if found.statuses is None:  # a leading run: its hits, then one answer for the rest
         hits = found.hits
         for chunk, row in zip(chain[:hits], rows[:hits], strict=True):
-            answers[chunk] = Answer(hit, until, row, [prefix + chunk], None, region,
+            answers[chunk] = Answer(hit, held, row, [prefix + chunk], None, region,
                                     held_until) if row >= 0 else other("miss")
         if hits < len(chain):
             answers.update(dict.fromkeys(
@@ -220,7 +234,7 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
     sources = found.sources or [None] * len(chain)
     for chunk, status, row, source in zip(chain, found.statuses, rows, sources, strict=True):
         if status == "hit" and row >= 0:
-            answers[chunk] = Answer(hit, until, row, [prefix + chunk], source, region,
+            answers[chunk] = Answer(hit, held, row, [prefix + chunk], source, region,
                                     held_until)
         else:
             answers[chunk] = other("miss" if status == "hit" else status)

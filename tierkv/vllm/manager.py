@@ -82,6 +82,7 @@ from tierkv.vllm.lookups import (
     asked_chains,
     by_group,
     chain_for,
+    defers,
     forget_misses,
     head_first,
     read_answers,
@@ -357,7 +358,8 @@ class TierkvOffloadingManager(OffloadingManager):
             # A queued request's misses serve as long as its hits: it is looked up
             # again whenever its answers expire, until vLLM scans it.
             served = until + QUEUED_STEPS - 1 if req_id in self._queued else until
-            answers = read_answers(chain, found, keymap, served, carried.opened)
+            answers = read_answers(chain, found, keymap, served, carried.opened,
+                                   hits_until=until + HIT_STEPS - 1)
             pins = [k for a in answers.values() for k in a.pinned]
             self.holdings.pinned(pins)
             if (not told or state is None or carried.generation != self.generation
@@ -365,19 +367,17 @@ class TierkvOffloadingManager(OffloadingManager):
                 self.holdings.release(pins)
                 continue
             self.rounds.stats.increase_counter(Metrics.LOOKUP_KEYS, len(chain))
-            kept, asks, release = state.answers, state.asks, self.holdings.release
-            hit_until = until + HIT_STEPS - 1
-            for chunk, answer in answers.items():
-                old = kept.get(chunk)
-                if old is not None and old.pinned:
-                    release(old.pinned)
-                if answer.pinned:  # a hit
-                    answer.until = hit_until
-                kept[chunk] = answer
-                if asks:
-                    asks.pop(chunk, None)
+            kept, asks = state.answers, state.asks
+            if kept:  # answers replaced: their pins go (set operations, in C)
+                for chunk in kept.keys() & answers.keys():
+                    if kept[chunk].pinned:
+                        self.holdings.release(kept[chunk].pinned)
+            kept.update(answers)
+            if asks:
+                for chunk in asks.keys() & answers.keys():
+                    del asks[chunk]
             self.present.add_all(pins)
-            state.tiered = state.tiered or any(a.status in AGAIN for a in answers.values())
+            state.tiered = state.tiered or defers(found, len(chain))
             state.expires = min(state.expires, served)
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, len(pins))
 
