@@ -320,26 +320,28 @@ def test_keys_are_split_by_group_as_vllm_reads_a_key_s_group():
 
 
 def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest():
-    """A lookup's reply read into per-chunk answers: each hit with its row and the
-    tierkv key pinned for it, a hit whose pin was refused a miss, and every chunk after
+    """A lookup's reply read into per-chunk answers: each hit with its row (its key
+    pinned for the request), a hit whose pin was refused a miss, and every chunk after
     the run one shared answer (retry when the broker said to ask again)."""
-    from tierkv.vllm.layout import KeyMap
     from tierkv.vllm.lookups import read_answers
 
-    keymap = KeyMap(b"ns")
     chain = chunk_keys(6)
     found = Lookup(3, True, False, rows=[5, -1, 7, -1, -1, -1], region="r1", pin_s=10.0)
-    answers = read_answers(chain, found, keymap, until=4, asked_at=100.0)
+    answers, rows = read_answers(chain, found, until=4, asked_at=100.0, hits_until=6)
     assert list(answers) == chain
+    assert rows == {chain[0]: 5, chain[2]: 7}  # the refused pin holds no row
     first, refused, third, *rest = (answers[c] for c in chain)
-    assert (first.status, first.row, first.pinned, first.region, first.until) == (
-        LookupResult.HIT, 5, [b"ns" + chain[0]], "r1", 4)
+    assert (first.status, first.region, first.until) == (LookupResult.HIT, "r1", 6)
     assert first.held_until == 105.0  # half the broker's pin time, from the ask
-    assert third.row == 7 and third.pinned == [b"ns" + chain[2]]
-    assert refused.status is LookupResult.MISS and not refused.pinned
+    assert third.status is LookupResult.HIT
+    assert refused.status is LookupResult.MISS and refused.until == 4
     assert {a.status for a in rest} == {LookupResult.RETRY} and len({id(a) for a in rest}) == 1
-    lost = read_answers(chain, None, keymap, until=4, asked_at=100.0)
-    assert {a.status for a in lost.values()} == {LookupResult.MISS}
+    all_pinned = Lookup(3, False, False, rows=[1, 2, 3, -1, -1, -1], region="r1")
+    answers, rows = read_answers(chain, all_pinned, until=4, asked_at=100.0)
+    assert rows == {chain[0]: 1, chain[1]: 2, chain[2]: 3}
+    assert [answers[c].status for c in chain] == [LookupResult.HIT] * 3 + [LookupResult.MISS] * 3
+    lost, no_rows = read_answers(chain, None, until=4, asked_at=100.0)
+    assert {a.status for a in lost.values()} == {LookupResult.MISS} and not no_rows
 
 
 @pytest.mark.parametrize("found", [
@@ -357,11 +359,10 @@ def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest(
 def test_whether_a_reply_defers_its_request_is_what_its_answers_say(found):
     """`defers` reads off the reply what its answers say (a request told RETRY or
     HIT_PENDING for a key is asked about again), without walking them."""
-    from tierkv.vllm.layout import KeyMap
     from tierkv.vllm.lookups import AGAIN, defers, read_answers
 
     chain = chunk_keys(6)
-    answers = read_answers(chain, found, KeyMap(b"ns"), until=4, asked_at=100.0)
+    answers, _ = read_answers(chain, found, until=4, asked_at=100.0)
     assert defers(found, len(chain)) == any(a.status in AGAIN for a in answers.values())
 
 

@@ -44,7 +44,6 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, get_offload_group_idx
 
 from tierkv.client import Lookup
-from tierkv.vllm.layout import KeyMap
 from tierkv.vllm.request_keys import request_keys
 
 HIT_STEPS = 4  # steps a hit vLLM did not load stays pinned for its request
@@ -64,13 +63,13 @@ AGAIN = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 
 @dataclass(slots=True)
 class Answer:
-    """What a chunk is, and what serving it needs: its CPU row in `region`, and the
-    tierkv key pinned for it (claimed by `prepare_load`)."""
+    """What a chunk is, and what serving it needs: a hit's CPU row is in `region`,
+    and the tierkv key pinned for it (claimed by `prepare_load`) is its request's
+    (`RequestLookups.rows`). One answer serves every chunk of a reply that has it
+    (an engine step reads thousands of chunks back): a hit's differ by row only."""
 
     status: LookupResult
     until: int  # the last step it may be used in
-    row: int = -1
-    pinned: list[bytes] = field(default_factory=list)
     source: str | None = None
     region: str = ""
     held_until: float = 0.0  # CLOCK_MONOTONIC: the broker holds its pin at least till then
@@ -80,6 +79,9 @@ class Answer:
 class RequestLookups:
     ctx: ReqContext
     answers: dict[bytes, Answer] = field(default_factory=dict)
+    # Per chunk answered a hit: its CPU row. Its tierkv key (the keymap's prefix and
+    # the chunk) is pinned for the request until loaded or let go.
+    rows: dict[bytes, int] = field(default_factory=dict)
     asks: dict[bytes, None] = field(default_factory=dict)  # asked, no answer yet
     synced: int = -1  # the step of its last lookup of its own
     waiting_since: float | None = None  # told RETRY for want of an answer since then
@@ -194,48 +196,53 @@ def defers(found: Lookup | None, chunks: int) -> bool:
     return "retry" in found.statuses or "pending" in found.statuses
 
 
-def read_answers(chain: Sequence[bytes], found: Lookup | None, keymap: KeyMap,
-                 until: int, asked_at: float, hits_until: int | None = None
-                 ) -> dict[bytes, Answer]:
-    """Per chunk of `chain` (one tierkv key each), its answer, served until step
-    `until` (a hit until `hits_until`, if given). `found` None: the lookup failed,
-    every chunk a miss. `asked_at`: when the lookup was made, before the broker
-    pinned anything."""
+def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
+                 asked_at: float, hits_until: int | None = None
+                 ) -> tuple[dict[bytes, Answer], dict[bytes, int]]:
+    """Per chunk of `chain`, its answer, served until step `until` (a hit until
+    `hits_until`, if given); and per chunk the broker pinned, its CPU row. `found`
+    None: the lookup failed, every chunk a miss. `asked_at`: when the lookup was
+    made, before the broker pinned anything. Answers are shared: one per status
+    (per source for hits), so a reply of hundreds of hits makes a few objects."""
     if found is None:
-        return dict.fromkeys(chain, Answer(LookupResult.MISS, until))
-    # Answers that are not hits hold nothing and are never changed: one of each
-    # status serves every chunk (an engine step makes thousands). Keyed by the
-    # status's name: an enum member's hash is a Python call.
-    others: dict[str, Answer] = {}
+        return dict.fromkeys(chain, Answer(LookupResult.MISS, until)), {}
+    shared: dict[tuple[str, str | None], Answer] = {}
+    held = until if hits_until is None else hits_until
+    held_until = asked_at + found.pin_s * PIN_TRUSTED
 
-    def other(name: str) -> Answer:
-        answer = others.get(name)
-        if answer is None:
-            answer = others[name] = Answer(STATUS[name], until)
-        return answer
+    def answer(name: str, source: str | None = None) -> Answer:
+        # Keyed by the status's name: an enum member's hash is a Python call.
+        found_answer = shared.get((name, source))
+        if found_answer is None:
+            found_answer = shared[name, source] = (
+                Answer(LookupResult.HIT, held, source, found.region, held_until)
+                if name == "hit" else Answer(STATUS[name], until))
+        return found_answer
 
     rows = found.rows or [-1] * len(chain)
-    held_until = asked_at + found.pin_s * PIN_TRUSTED
-    hit, region, prefix = LookupResult.HIT, found.region, keymap.prefix
-    held = until if hits_until is None else hits_until
-    answers: dict[bytes, Answer] = {}
-    # The chunks were keyed with this prefix when they were asked (`KeyMap.keys`
-    # checked their length then). A hit whose pin was refused (the owner's share)
-    # reads as a miss.
+    # A hit whose pin was refused (the owner's share) reads as a miss.
     if found.statuses is None:  # a leading run: its hits, then one answer for the rest
         hits = found.hits
-        for chunk, row in zip(chain[:hits], rows[:hits], strict=True):
-            answers[chunk] = Answer(hit, held, row, [prefix + chunk], None, region,
-                                    held_until) if row >= 0 else other("miss")
+        lead, lead_rows = chain[:hits], rows[:hits]
+        if not hits or min(lead_rows) >= 0:  # every hit pinned: dicts built in C
+            answers = dict.fromkeys(lead, answer("hit"))
+            pinned = dict(zip(lead, lead_rows, strict=True))
+        else:
+            answers, pinned = {}, {}
+            for chunk, row in zip(lead, lead_rows, strict=True):
+                answers[chunk] = answer("hit" if row >= 0 else "miss")
+                if row >= 0:
+                    pinned[chunk] = row
         if hits < len(chain):
             answers.update(dict.fromkeys(
-                chain[hits:], other("retry" if found.pending or found.retry else "miss")))
-        return answers
+                chain[hits:], answer("retry" if found.pending or found.retry else "miss")))
+        return answers, pinned
     sources = found.sources or [None] * len(chain)
+    answers, pinned = {}, {}
     for chunk, status, row, source in zip(chain, found.statuses, rows, sources, strict=True):
         if status == "hit" and row >= 0:
-            answers[chunk] = Answer(hit, held, row, [prefix + chunk], source, region,
-                                    held_until)
+            answers[chunk] = answer("hit", source)
+            pinned[chunk] = row
         else:
-            answers[chunk] = other("miss" if status == "hit" else status)
-    return answers
+            answers[chunk] = answer("miss" if status == "hit" else status)
+    return answers, pinned

@@ -358,9 +358,10 @@ class TierkvOffloadingManager(OffloadingManager):
             # A queued request's misses serve as long as its hits: it is looked up
             # again whenever its answers expire, until vLLM scans it.
             served = until + QUEUED_STEPS - 1 if req_id in self._queued else until
-            answers = read_answers(chain, found, keymap, served, carried.opened,
-                                   hits_until=until + HIT_STEPS - 1)
-            pins = [k for a in answers.values() for k in a.pinned]
+            answers, rows = read_answers(chain, found, served, carried.opened,
+                                         hits_until=until + HIT_STEPS - 1)
+            prefix = keymap.prefix  # the chunks were keyed with it when asked
+            pins = [prefix + chunk for chunk in rows]
             self.holdings.pinned(pins)
             if (not told or state is None or carried.generation != self.generation
                     or until < self._step):
@@ -368,11 +369,10 @@ class TierkvOffloadingManager(OffloadingManager):
                 continue
             self.rounds.stats.increase_counter(Metrics.LOOKUP_KEYS, len(chain))
             kept, asks = state.answers, state.asks
-            if kept:  # answers replaced: their pins go (set operations, in C)
-                for chunk in kept.keys() & answers.keys():
-                    if kept[chunk].pinned:
-                        self.holdings.release(kept[chunk].pinned)
+            if kept:  # answers replaced: their pins go (a set operation, in C)
+                self._unpin(state, kept.keys() & answers.keys())
             kept.update(answers)
+            state.rows.update(rows)
             if asks:
                 for chunk in asks.keys() & answers.keys():
                     del asks[chunk]
@@ -380,6 +380,12 @@ class TierkvOffloadingManager(OffloadingManager):
             state.tiered = state.tiered or defers(found, len(chain))
             state.expires = min(state.expires, served)
             self.rounds.stats.increase_counter(Metrics.HIT_KEYS, len(pins))
+
+    def _unpin(self, state: RequestLookups, chunks: Iterable[bytes]) -> None:
+        """Let go of the pins the request's hits among `chunks` hold."""
+        rows, prefix = state.rows, self.keymap.prefix
+        self.holdings.release([prefix + chunk for chunk in chunks
+                               if rows.pop(chunk, None) is not None])
 
     # -- loads -----------------------------------------------------------------------
 
@@ -390,21 +396,23 @@ class TierkvOffloadingManager(OffloadingManager):
         loading = self._loading.setdefault(req_id, {})
         rows: list[int] = []
         region = ""
+        prefix = self.keymap.prefix
         for chunk in keys:
             answer = state.answers.pop(chunk, None) if state is not None else None
+            row = state.rows.pop(chunk, -1) if state is not None else -1
             region = region or (answer.region if answer is not None else "")
             if answer is None or answer.status is not LookupResult.HIT or (
-                    answer.region != region):
+                    answer.region != region) or row < 0:
                 # vLLM loads only what lookup called a hit; should it not, the worker
                 # fails the job (a miss, recomputed) rather than read another key's row.
                 self._warn.warning("load", "prepare_load of a key that was not a hit "
                                    "(request %s)", req_id)
                 rows.append(-1)
-                if answer is not None:
-                    self.holdings.release(answer.pinned)
+                if row >= 0:
+                    self.holdings.release([prefix + chunk])
                 continue
-            rows.append(answer.row)
-            loading[chunk] = loading.get(chunk, []) + answer.pinned
+            rows.append(row)
+            loading[chunk] = [*loading.get(chunk, ()), prefix + chunk]
         return TierkvLoadStoreSpec(self._chunks_per_group(keys), rows, region, req_id)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -531,8 +539,7 @@ class TierkvOffloadingManager(OffloadingManager):
         self._queued.pop(req_context.req_id, None)
         state = self._requests.pop(req_context.req_id, None)
         if state is not None:
-            for answer in state.answers.values():
-                self.holdings.release(answer.pinned)
+            self._unpin(state, list(state.rows))
         self.holdings.finish(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -548,13 +555,18 @@ class TierkvOffloadingManager(OffloadingManager):
             # it, often steps later: until then its answers are kept fresh.
             deferred = req_id not in self._queued and self._deferred(state)
             waiting = req_id in head
-            for chunk, answer in list(state.answers.items()):
+            expired = []
+            for chunk, answer in state.answers.items():
                 if answer.until > step:
                     continue
+                # (A hit's answer is its reply's: extending it extends its siblings',
+                # which the same test would extend.)
                 if waiting and answer.held_until > now and answer.region == self.spares.region:
                     answer.until = step + QUEUED_STEPS  # its pin holds: no need to ask
                     continue
-                self.holdings.release(answer.pinned)
+                expired.append(chunk)
+            self._unpin(state, expired)
+            for chunk in expired:
                 del state.answers[chunk]
                 if deferred:
                     state.asks[chunk] = None
@@ -664,13 +676,12 @@ class TierkvOffloadingManager(OffloadingManager):
         reservations of stores vLLM submitted go once the workers are done with them
         (`on_reset_flushed`)."""
         self.rounds.catch_up()
-        self.generation += 1
-        self.keymap = KeyMap(self.identity.namespace(self.generation))
-        for state in self._requests.values():
-            for answer in state.answers.values():
-                self.holdings.release(answer.pinned)
+        for state in self._requests.values():  # keyed with this generation's keymap
+            self._unpin(state, list(state.rows))
             state.answers.clear()
             state.asks.clear()
+        self.generation += 1
+        self.keymap = KeyMap(self.identity.namespace(self.generation))
         self._fenced.extend(k for loading in self._loading.values()
                             for k in loading.values())
         self._loading.clear()
