@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
+from tierkv.bench.vllm_methods import MethodTimes, report
 
 OVERHEAD_GOAL = 1.0
 ANSWERED_GOAL = 0.95
@@ -115,11 +116,11 @@ class Timed:
 
 
 def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
-               node: AbstractContextManager[Any], make_engine: Callable[..., Any] | None = None
-               ) -> Timed:
+               node: AbstractContextManager[Any], make_engine: Callable[..., Any] | None = None,
+               methods: MethodTimes | None = None) -> Timed:
     """Scheduler work per engine step at `workload.requests` running. `make_engine`:
     the harness's `Engine` (scheduler side only) unless a peer's driver brings its own
-    (same signature)."""
+    (same signature). `methods`: the manager's calls timed into it while timed."""
     from tierkv.bench.vllm_engine import Engine, EngineShape
 
     make_engine = make_engine or Engine
@@ -135,6 +136,9 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
         engine = make_engine(shape, make_extra(running), copy=False, name="bench")
         first = _first_answers(engine.scheduler.connector)
         adding = _add_seconds(engine.scheduler)
+        if methods is not None:
+            scheduler_side: Any = engine.scheduler.connector
+            methods.attach(scheduler_side.connector_scheduler.manager)
         try:
             serial = 0
             times: list[float] = []
@@ -150,6 +154,8 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                 if step == workload.warmup:
                     hits_before = engine.tokens["external_hits"]
                     first.clear()
+                    if methods is not None:
+                        methods.counting = True
                 engine.step()
                 # Outside the timed calls: which requests run for the first time.
                 for req in engine.scheduler.running:
@@ -161,6 +167,8 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                     times.append(engine.step_seconds[-1])
                     adds.append(adding[0])
                 adding[0] = 0.0
+            if methods is not None:
+                methods.counting = False
             answered = sum(first.values()) / len(first) if first else 0.0
             return Timed(times, engine.tokens["external_hits"] - hits_before, admitted,
                          answered, adds)
@@ -224,6 +232,9 @@ class Overhead:
     # Medians of each step with the `add_request` calls before it (`Timed.with_adds`).
     our_with_adds: list[float] = field(default_factory=list)
     their_with_adds: list[float] = field(default_factory=list)
+    # With `--by-method`: each manager's calls, over every repeat's timed steps.
+    our_methods: MethodTimes | None = None
+    their_methods: MethodTimes | None = None
 
     def answered(self) -> str:
         """Admission: the share of requests answered in the step that first asked."""
@@ -240,15 +251,18 @@ class Overhead:
                 f"vLLM {theirs * 1e3:.3f} ms, ratio {ours / theirs:.2f}")
 
 
-def overhead(workload: Workload, repeats: int) -> Overhead:
+def overhead(workload: Workload, repeats: int, by_method: bool = False) -> Overhead:
     from tierkv.bench.vllm_engine import EngineShape, engine_node, tierkv_extra_config
 
     page = EngineShape().page_size
     out = Overhead([], [], [], [])
+    if by_method:
+        out.our_methods, out.their_methods = MethodTimes(), MethodTimes()
     for _ in range(repeats):
-        theirs = step_times(vllm_cpu_extra(workload.cpu_blocks), workload, nullcontext())
+        theirs = step_times(vllm_cpu_extra(workload.cpu_blocks), workload, nullcontext(),
+                            methods=out.their_methods)
         ours = step_times(tierkv_extra_config, workload,
-                          engine_node(page, workload.cpu_blocks))
+                          engine_node(page, workload.cpu_blocks), methods=out.our_methods)
         out.theirs.append(statistics.median(theirs.seconds))
         out.ours.append(statistics.median(ours.seconds))
         out.their_hits.append(theirs.offloaded_hit_tokens)
@@ -466,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queued", type=int, default=0,
                         help="of the requests, how many wait in vLLM's queue (the engine "
                              "runs the others at most)")
+    parser.add_argument("--by-method", action="store_true",
+                        help="also time each manager method vLLM calls, per back end "
+                             "(the step's figure then includes the timing's own cost)")
     args = parser.parse_args(argv)
     if not 0 <= args.queued < args.requests:
         parser.error(f"--queued must be 0 to {args.requests - 1}, got {args.queued}")
@@ -473,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tierkv_hits:
         workload = workload.tierkv_hits()
     workload = replace(workload, queued=args.queued)
-    o = overhead(workload, args.repeats)
+    o = overhead(workload, args.repeats, args.by_method)
     for system in (PeerStep("tierkv", o.ours, o.our_hits, o.our_admitted),
                    PeerStep("vLLM CPUOffloadingManager", o.theirs, o.their_hits,
                             o.their_admitted)):
@@ -482,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(goal <= {OVERHEAD_GOAL})")
     print(o.answered())
     print(o.with_adds())
+    if o.our_methods is not None and o.their_methods is not None:
+        print("\n".join(report(o.our_methods, o.their_methods, workload.steps * args.repeats)))
     env = peer_env_or_reason()
     if isinstance(env, str):
         print(env)
