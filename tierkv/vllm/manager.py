@@ -48,6 +48,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -93,6 +94,8 @@ from tierkv.vllm.tiers import NodeTiers
 from tierkv.wire.protocol import MAX_GROUPS, MAX_STEP_KEYS
 
 log = logging.getLogger("tierkv.vllm")
+# Read over every request at each step's end: C-level getters, not generators.
+_UNTIL, _ASKS = attrgetter("until"), attrgetter("asks")
 
 SHUTDOWN_LOCK_S = 5.0  # a step that raised may have left the lock held on this thread
 FLUSH_KEYS = MAX_STEP_KEYS // 2  # asked keys per end-of-step round trip (the rest wait)
@@ -570,10 +573,10 @@ class TierkvOffloadingManager(OffloadingManager):
                 del state.answers[chunk]
                 if deferred:
                     state.asks[chunk] = None
-            state.expires = min((a.until for a in state.answers.values()), default=NEVER)
+            state.expires = min(map(_UNTIL, state.answers.values()), default=NEVER)
         self.spares.step_ended()
         owed = self.holdings.owed
-        asked = any(state.asks for state in self._requests.values())
+        asked = any(map(_ASKS, self._requests.values()))
         due = owed and (self._idle or time.monotonic() - owed.since >= self.options.flush_s)
         if self.rounds.flush is None and not self.rounds.down and (
                 asked or due or self.spares.short()):
