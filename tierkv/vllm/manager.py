@@ -363,8 +363,7 @@ class TierkvOffloadingManager(OffloadingManager):
             served = until + QUEUED_STEPS - 1 if req_id in self._queued else until
             answers, rows = read_answers(chain, found, served, carried.opened,
                                          hits_until=until + HIT_STEPS - 1)
-            prefix = keymap.prefix  # the chunks were keyed with it when asked
-            pins = [prefix + chunk for chunk in rows]
+            pins = keymap.keys(rows)
             self.holdings.pinned(pins)
             if (not told or state is None or carried.generation != self.generation
                     or until < self._step):
@@ -386,9 +385,9 @@ class TierkvOffloadingManager(OffloadingManager):
 
     def _unpin(self, state: RequestLookups, chunks: Iterable[bytes]) -> None:
         """Let go of the pins the request's hits among `chunks` hold."""
-        rows, prefix = state.rows, self.keymap.prefix
-        self.holdings.release([prefix + chunk for chunk in chunks
-                               if rows.pop(chunk, None) is not None])
+        rows = state.rows
+        self.holdings.release(self.keymap.keys(
+            chunk for chunk in chunks if rows.pop(chunk, None) is not None))
 
     # -- loads -----------------------------------------------------------------------
 
@@ -399,7 +398,6 @@ class TierkvOffloadingManager(OffloadingManager):
         loading = self._loading.setdefault(req_id, {})
         rows: list[int] = []
         region = ""
-        prefix = self.keymap.prefix
         for chunk in keys:
             answer = state.answers.pop(chunk, None) if state is not None else None
             row = state.rows.pop(chunk, -1) if state is not None else -1
@@ -412,10 +410,10 @@ class TierkvOffloadingManager(OffloadingManager):
                                    "(request %s)", req_id)
                 rows.append(-1)
                 if row >= 0:
-                    self.holdings.release([prefix + chunk])
+                    self.holdings.release([self.keymap.key(chunk)])
                 continue
             rows.append(row)
-            loading[chunk] = [*loading.get(chunk, ()), prefix + chunk]
+            loading[chunk] = [*loading.get(chunk, ()), self.keymap.key(chunk)]
         return TierkvLoadStoreSpec(self._chunks_per_group(keys), rows, region, req_id)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
