@@ -46,7 +46,7 @@ import zmq
 from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent, OffloadKey, check_keys
 from tierkv.node.config import Config, load_config
 from tierkv.node.realtime import WaitBoost, check_priority, lift_context
-from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_keys
+from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_ints, unpack_keys
 from tierkv.wire.protocol import (
     KEY_SECTIONS,
     LOOKUP_STATUSES,
@@ -742,17 +742,20 @@ class _Answers:
     def _lookups(self) -> list[Lookup]:
         """Every lookup's answer at once (an engine step has hundreds)."""
         section = self.batch._sections["lookup"]
-        hits = self._array("hits", "<i4")
-        state = self._array("state", "u1")
+        hits = self._array("hits", "i")
+        state = self._array("state", "B")
         if not any(section.extra) and not self.batch._pin:
             return [Lookup(h, s != 0, s == 2) for h, s in zip(hits, state, strict=True)]
         return [self._lookup(i, section) for i in range(len(hits))]
 
-    def _array(self, field_name: str, dtype: str) -> list[Any]:
-        if field_name not in self._cache:
+    def _array(self, field_name: str, typecode: str) -> list[int]:
+        """A per-group or per-key field as ints: "B" uint8, "i" int32, "q" int64."""
+        values = self._cache.get(field_name)
+        if values is None:
             data = getattr(self.r, field_name)
-            self._cache[field_name] = np.frombuffer(data, dtype=dtype).tolist()
-        return self._cache[field_name]
+            values = self._cache[field_name] = list(data) if typecode == "B" \
+                else unpack_ints(data, typecode)
+        return values
 
     def _span(self, name: str, index: int) -> tuple[int, int]:
         """Where group `index` of a section sits in that section's per-key arrays."""
@@ -768,43 +771,43 @@ class _Answers:
             return self._lookup(index, section)
         if name == "pin":
             a, b = self._span(name, index)
-            return self._array("pinned", "<i4")[a:b]
+            return self._array("pinned", "i")[a:b]
         if name == "reserve":
             a, b = self._span(name, index)
             evicted = self._cache.setdefault("evicted", unpack_keys(
                 self.r.evicted, 0, self.r.evicted_lens, "evicted"))
-            ok = bool(self._array("reserve_ok", "u1")[index])
-            return Reserve(self._array("reserved", "<i4")[a:b], ok, evicted if ok else [],
+            ok = bool(self._array("reserve_ok", "B")[index])
+            return Reserve(self._array("reserved", "i")[a:b], ok, evicted if ok else [],
                            self.r.region)
         if name == "commit_as":
             a, b = self._span(name, index)
-            return [bool(x) for x in self._array("stored_as", "u1")[a // 2:b // 2]]
+            return [bool(x) for x in self._array("stored_as", "B")[a // 2:b // 2]]
         if name == "store":
             a, b = self._span(name, index)
-            job = self._array("store_jobs", "<i8")[index]
-            accepted = self._array("store_accepted", "u1")[a:b]
+            job = self._array("store_jobs", "q")[index]
+            accepted = self._array("store_accepted", "B")[a:b]
             assert section is not None
             keys = [k for k, took in zip(section.groups[index], accepted, strict=True) if took]
             return Store(None if job < 0 else job, keys,
-                         bool(self._array("store_refused", "u1")[index]))
+                         bool(self._array("store_refused", "B")[index]))
         if name == "load":
-            return Load(self._array("load_jobs", "<i8")[index], self.r.load_sources[index])
+            return Load(self._array("load_jobs", "q")[index], self.r.load_sources[index])
         if name == "step":
             return Step(self.r.finished, self.r.events, self.r.step)
         return None  # commit, release, touch, finish, queue
 
     def _lookup(self, index: int, section: _Section | None) -> Lookup:
-        hits = self._array("hits", "<i4")[index]
-        state = self._array("state", "u1")[index]
+        hits = self._array("hits", "i")[index]
+        state = self._array("state", "B")[index]
         statuses = sources = rows = None
         if section is not None and section.extra[index]:
             a, b = self._span("lookup", index)
-            statuses = [LOOKUP_STATUSES[s] for s in self._array("status", "u1")[a:b]]
+            statuses = [LOOKUP_STATUSES[s] for s in self._array("status", "B")[a:b]]
             tiers = self.r.tiers
-            sources = [tiers[s - 1] if s else None for s in self._array("sources", "u1")[a:b]]
+            sources = [tiers[s - 1] if s else None for s in self._array("sources", "B")[a:b]]
         if self.batch._pin:
             a, b = self._span("lookup", index)
-            rows = self._array("rows", "<i4")[a:b]
+            rows = self._array("rows", "i")[a:b]
         if rows is None:
             return Lookup(hits, state != 0, state == 2, statuses, sources)
         return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,

@@ -130,6 +130,22 @@ def test_misuse_raises_and_leaves_state_consistent():
     tier.check_invariants()
 
 
+@pytest.mark.parametrize("ready, asked, hits", [
+    ((1, 2, 3), (1, 2, 3), 3),  # every key
+    ((1, 2, 3), (1, 2), 2),
+    ((1, 3), (1, 2, 3), 1),  # a ready key after the first miss is not a hit
+    ((2, 3), (1, 2, 3), 0),
+    ((1, 2), (1, 1, 2, 9), 3),  # a key asked twice counts twice
+    ((1,), (), 0),
+])
+def test_lookup_counts_the_ready_keys_before_the_first_that_is_not(ready, asked, hits):
+    tier = PrimaryTier(8)
+    stored(tier, k(*ready))
+    assert tier.lookup(k(*asked)) == hits
+    # Keys that are not the stored objects (as the broker reads them off the wire).
+    assert tier.lookup([bytes(bytearray(key)) for key in k(*asked)]) == hits
+
+
 def test_completed_load_counts_as_a_use():
     tier = PrimaryTier(3, policy="lru")
     stored(tier, k(1, 2, 3))

@@ -132,6 +132,10 @@ def lookup(**fields) -> bytes:
     (raw(op="tier_jobs", jobs=[{"job_id": 1}]), "missing field"),
     (raw(op="tier_jobs", jobs=[{"job_id": 1, "keys": [], "block_ids": [], "kind": "steal"}]),
      "not a valid JobKind"),
+    # A nested record's field is named by its whole path.
+    (raw(op="tier_jobs", jobs=[{"job_id": "1", "keys": [], "block_ids": [], "kind": "store"}]),
+     r"^tier_jobs\.jobs\[0\]\.job_id: expected int, got str$"),
+    (raw(op="tier_jobs", jobs=[{"job_id": 1}]), r"^tier_jobs\.jobs\[0\]: missing field"),
     (raw(op="ops", id=1, step=True, **{"1": 2}), None),  # unknown extra fields are ignored
 ])
 def test_malformed_input_is_a_protocol_error(payload, match):
@@ -140,6 +144,20 @@ def test_malformed_input_is_a_protocol_error(payload, match):
         return
     with pytest.raises(ProtocolError, match=match):
         decode(payload)
+
+
+def test_a_reply_s_integers_read_back_little_endian_whatever_their_sign():
+    import numpy as np
+
+    from tierkv.wire.keyblob import unpack_ints
+
+    int32 = [-1, 0, 7, 2**31 - 1, -(2**31)]
+    int64 = [-1, 2**40, 2**63 - 1]
+    assert unpack_ints(np.asarray(int32, "<i4").tobytes(), "i") == int32
+    assert unpack_ints(np.asarray(int64, "<i8").tobytes(), "q") == int64
+    assert unpack_ints(b"", "i") == []
+    with pytest.raises(ValueError):
+        unpack_ints(b"\x01\x02\x03", "i")  # not whole int32s
 
 
 def test_keys_of_one_width_and_of_several_come_back_whole():

@@ -317,6 +317,44 @@ def test_keys_are_split_by_group_as_vllm_reads_a_key_s_group():
     assert by_group(mixed) == expected
     assert list(expected) == [256, 7, 1, 0]
     assert by_group([]) == {}
+    one = chains[1]
+    split = by_group(one)  # one group: the keys as given, in a list of its own
+    assert split == {1: one}
+    split[1].sort()
+    assert one == chains[1] and one is not split[1]
+
+
+def test_keys_without_a_position_sort_before_those_vllm_placed():
+    from tierkv.vllm.lookups import head_first
+
+    keys = chunk_keys(4)
+    ctx = request("r", keys)
+    assert head_first(keys[::-1], ctx) == keys
+    stray = chunk_keys(1, seed=9)[0]  # vLLM gave it no position
+    assert head_first([keys[2], stray, keys[0]], ctx) == [stray, keys[0], keys[2]]
+
+
+def test_a_load_naming_a_chunk_that_was_not_a_hit_reads_only_the_hits(start_node, engine_on):
+    """vLLM loads only what lookup called a hit. Should a load name another chunk, it
+    gets no row (the worker fails that block, recomputed) rather than another key's;
+    the hits get the rows their lookup pinned, their pins pass to the load, and go
+    when it completes."""
+    node = start_node(cpu_blocks=8, disk_blocks=0)
+    m = manager_of(engine_on(node))
+    hits, stray = chunk_keys(3, seed=1), chunk_keys(1, seed=2)
+    stored(m, hits)
+    for chunks in (hits, [*hits[:2], *stray, hits[2]]):  # all hits; one that is not
+        ctx = request("r", hits + stray)
+        with m.lock:
+            assert [m.lookup(k, ctx) for k in hits] == [LookupResult.HIT] * 3
+            pinned = dict(m._requests["r"].rows)
+            spec = m.prepare_load(chunks, ctx)
+            assert list(spec.rows) == [pinned.get(c, -1) for c in chunks]
+            assert sorted(pinned.values()) == sorted(r for r in spec.rows if r >= 0)
+            m.complete_load(set(chunks), ctx)
+            m.on_request_finished(ctx)
+        settle(m)
+        assert not m.holdings.pins
 
 
 def test_a_leading_run_s_answers_pin_its_hits_and_share_one_answer_for_the_rest():

@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, get_offload_group_idx
@@ -113,10 +114,10 @@ class KnownPresent:
         self.add_all((key,))
 
     def add_all(self, keys: Iterable[bytes]) -> None:
-        seen, now = self._seen, time.monotonic()
-        for key in keys:
-            seen.pop(key, None)
-            seen[key] = now
+        # One update in C: a key seen again keeps its place in the order (it may be
+        # forgotten sooner than `ttl_s` once `most` are known: a store not skipped).
+        seen = self._seen
+        seen.update(dict.fromkeys(keys, time.monotonic()))
         while len(seen) > self.most:
             del seen[next(iter(seen))]
 
@@ -150,11 +151,19 @@ def chain_for(ctx: ReqContext, key: bytes, answered: Mapping[bytes, object],
     return by_group(k for _, k in picked)
 
 
+_TAIL = itemgetter(slice(-4, None))  # an `OffloadKey`'s group bytes
+
+
 def by_group(keys: Iterable[bytes]) -> dict[int, list[bytes]]:
     """`keys` per KV-cache group, each in the order given. A key ends with its group's
     4 bytes (`OffloadKey`): keys are grouped by those, and vLLM's
     `get_offload_group_idx` is asked once per group, not per key (a request's
     chains were made key by key at ~1.5 us a key)."""
+    keys = list(keys)  # the caller's own, as the lists below, are not shared
+    if not keys:
+        return {}
+    if len(set(map(_TAIL, keys))) == 1:  # one group (most models): no loop in Python
+        return {get_offload_group_idx(OffloadKey(keys[0])): keys}
     tails: dict[bytes, list[bytes]] = {}
     for key in keys:
         tail = key[-4:]
@@ -176,13 +185,28 @@ def forget_misses(state: RequestLookups) -> dict[bytes, Answer]:
 
 
 def head_first(keys: Iterable[bytes], ctx: ReqContext) -> list[bytes]:
-    """`keys` in the request's order, first block first (vLLM's public getter)."""
-    return sorted(keys, key=lambda k: ctx.get_offload_key_position(OffloadKey(k)) or 0)
+    """`keys` in the request's order, first block first (vLLM's public getter; an
+    `OffloadKey` is a `bytes`, so the getter is the sort key itself, one call a key).
+    A key vLLM gave no position sorts first."""
+    keys = list(keys)
+    try:
+        return sorted(keys, key=ctx.get_offload_key_position)  # type: ignore[arg-type]
+    except TypeError:  # None against a position
+        return sorted(keys, key=lambda k: ctx.get_offload_key_position(OffloadKey(k)) or 0)
 
 
 def asked_chains(state: RequestLookups) -> dict[int, list[bytes]]:
     """A request's asked keys, per group, in position order."""
     return by_group(head_first(state.asks, state.ctx))
+
+
+def hits_in(answers: Sequence[Answer | None], region: str) -> bool:
+    """Whether every one of `answers` is a hit in `region`: each distinct answer
+    checked once (a reply's hits share one, so a load of hundreds of chunks checks
+    a few objects; the dedup is by identity, in C)."""
+    distinct = dict(zip(map(id, answers), answers, strict=True)).values()
+    return all(a is not None and a.status is LookupResult.HIT and a.region == region
+               for a in distinct)
 
 
 def defers(found: Lookup | None, chunks: int) -> bool:

@@ -86,6 +86,7 @@ from tierkv.vllm.lookups import (
     defers,
     forget_misses,
     head_first,
+    hits_in,
     read_answers,
 )
 from tierkv.vllm.request_keys import request_keys
@@ -162,7 +163,9 @@ class TierkvOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        state = self._state(req_context)
+        state = self._requests.get(req_context.req_id)  # called per key: `_state` inline
+        if state is None:
+            state = self._state(req_context)
         answer = state.answers.get(key)
         if answer is None or answer.until < self._step:
             self.rounds.catch_up()
@@ -311,8 +314,8 @@ class TierkvOffloadingManager(OffloadingManager):
             ahead = self._chains_ahead(state)
             if stored_now and not stored_now.isdisjoint(state.ahead_keys):
                 forget_misses(state)  # a miss of it may be one this engine just stored
-            if not state.ahead_keys.difference(answers):
-                continue  # every key answered (the common case: a set difference in C)
+            if answers.keys() >= state.ahead_keys:
+                continue  # every key answered (the common case: a subset test in C)
             # Keys of its last look-up still on their way are not asked twice.
             coming = state.coming if state.prefetch is not None and not state.prefetch.done \
                 else ()
@@ -396,25 +399,38 @@ class TierkvOffloadingManager(OffloadingManager):
         req_id = req_context.req_id
         state = self._requests.get(req_id)
         loading = self._loading.setdefault(req_id, {})
-        rows: list[int] = []
-        region = ""
-        for chunk in keys:
-            answer = state.answers.pop(chunk, None) if state is not None else None
-            row = state.rows.pop(chunk, -1) if state is not None else -1
-            region = region or (answer.region if answer is not None else "")
-            if answer is None or answer.status is not LookupResult.HIT or (
-                    answer.region != region) or row < 0:
-                # vLLM loads only what lookup called a hit; should it not, the worker
-                # fails the job (a miss, recomputed) rather than read another key's row.
-                self._warn.warning("load", "prepare_load of a key that was not a hit "
-                                   "(request %s)", req_id)
-                rows.append(-1)
-                if row >= 0:
-                    self.holdings.release([self.keymap.key(chunk)])
-                continue
-            rows.append(row)
-            loading[chunk] = [*loading.get(chunk, ()), self.keymap.key(chunk)]
-        return TierkvLoadStoreSpec(self._chunks_per_group(keys), rows, region, req_id)
+        chunks = list(keys)
+        if state is None:
+            answers: list[Answer | None] = [None] * len(chunks)
+            rows = [-1] * len(chunks)
+        else:  # what the chunks' lookups said, claimed (list comprehensions, in C)
+            answers = [state.answers.pop(c, None) for c in chunks]
+            rows = [state.rows.pop(c, -1) for c in chunks]
+        # The load's region: its first hit's (a hit of another is no row of this job).
+        region = next((a.region for a in answers if a is not None and a.region), "")
+        if (chunks and min(rows) >= 0 and hits_in(answers, region)
+                and loading.keys().isdisjoint(chunks)):  # the common case
+            loading.update(zip(chunks, ([pin] for pin in self.keymap.keys(chunks)), strict=True))
+        else:
+            rows = [self._claim_row(req_id, chunk, answer, row, region, loading)
+                    for chunk, answer, row in zip(chunks, answers, rows, strict=True)]
+        return TierkvLoadStoreSpec(self._chunks_per_group(chunks), rows, region, req_id)
+
+    def _claim_row(self, req_id: str, chunk: bytes, answer: Answer | None, row: int,
+                   region: str, loading: dict[bytes, list[bytes]]) -> int:
+        """A chunk's row for a load job, its pin now the load's; -1 for one that was
+        not a pinned hit in `region`: vLLM loads only what lookup called a hit, and
+        should it not, the worker fails the job (a miss, recomputed) rather than read
+        another key's row."""
+        if answer is None or answer.status is not LookupResult.HIT or (
+                answer.region != region) or row < 0:
+            self._warn.warning("load", "prepare_load of a key that was not a hit "
+                               "(request %s)", req_id)
+            if row >= 0:
+                self.holdings.release([self.keymap.key(chunk)])
+            return -1
+        loading[chunk] = [*loading.get(chunk, ()), self.keymap.key(chunk)]
+        return row
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.holdings.touch(self.keymap.keys(self._tail_first(keys, req_context)))
@@ -425,8 +441,8 @@ class TierkvOffloadingManager(OffloadingManager):
             return
         # Tail first: the broker counts a finished read as a use, the last most recent,
         # so a prefix's head stays the last to go (a lookup stops at the first miss).
-        for chunk in self._tail_first(keys, req_context):
-            self.holdings.release(loading.pop(chunk, []))
+        self.holdings.release([pin for chunk in self._tail_first(keys, req_context)
+                               for pin in loading.pop(chunk, ())])
         if not loading:
             del self._loading[req_context.req_id]
 

@@ -236,15 +236,20 @@ def _from_wire(cls: type[T], obj: Any, where: str) -> T:
         raise ProtocolError(f"{where}: expected a map, got {type(obj).__name__}")
     checkers = _checkers(cls)
     kwargs = {}
-    if len(obj) <= len(checkers) + 2:  # the fields given (most are at their default)
-        for name, value in obj.items():
-            entry = checkers.get(name)
-            if entry is not None:
-                kwargs[name] = entry[0](value, f"{where}.{name}")
-    else:  # a map of many unknown keys: walk the known fields instead
-        for name, (check, _) in checkers.items():
-            if name in obj:
-                kwargs[name] = check(obj[name], f"{where}.{name}")
+    # A checker is told the field's name alone; where the record sits is added to
+    # its error here (not formatted for every field of every message read).
+    try:
+        if len(obj) <= len(checkers) + 2:  # the fields given (most are at their default)
+            for name, value in obj.items():
+                entry = checkers.get(name)
+                if entry is not None:
+                    kwargs[name] = entry[0](value, name)
+        else:  # a map of many unknown keys: walk the known fields instead
+            for name, (check, _) in checkers.items():
+                if name in obj:
+                    kwargs[name] = check(obj[name], name)
+    except ProtocolError as e:
+        raise ProtocolError(f"{where}.{e}") from None
     required = _REQUIRED[cls]
     if required and not kwargs.keys() >= required:
         raise ProtocolError(f"{where}: missing field {min(required - kwargs.keys())!r}")

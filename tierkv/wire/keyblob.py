@@ -81,15 +81,26 @@ def pack_counts(counts: Sequence[int]) -> bytes:
     return out.tobytes()
 
 
+def _little_endian(data: bytes, typecode: str) -> array.array:
+    out = array.array(typecode)
+    out.frombytes(data)
+    if _BIG_ENDIAN:
+        out.byteswap()
+    return out
+
+
+def unpack_ints(data: bytes, typecode: str) -> list[int]:
+    """Little-endian integers of an `array` typecode ("i" int32, "q" int64) as a list:
+    a reply's few per-group numbers cost a fraction of a numpy array's fixed cost."""
+    return _little_endian(data, typecode).tolist()
+
+
 def unpack_counts(data: bytes, where: str) -> array.array:
     """int32 counts (little endian), each >= 0. An `array` rather than numpy: a step
     has few groups, and numpy's fixed cost per call would dominate."""
     if len(data) % 4:
         raise ProtocolError(f"{where}: {len(data)} bytes are not int32 counts")
-    counts = array.array("i")
-    counts.frombytes(data)
-    if _BIG_ENDIAN:
-        counts.byteswap()
+    counts = _little_endian(data, "i")
     if counts and min(counts) < 0:
         raise ProtocolError(f"{where}: a negative count")
     return counts
