@@ -163,9 +163,7 @@ class TierkvOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        state = self._requests.get(req_context.req_id)  # called per key: `_state` inline
-        if state is None:
-            state = self._state(req_context)
+        state = self._state(req_context)
         answer = state.answers.get(key)
         if answer is None or answer.until < self._step:
             self.rounds.catch_up()
