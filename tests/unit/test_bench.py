@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
 import sys
+import threading
 import types
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +230,20 @@ def test_policies_quick_end_to_end_through_the_cli(tmp_path, capsys):
     for r in p["rows"]:
         assert r["ratio"]["median"] > 0 and r["value"]["n"] >= 1
         assert r["value"]["min"] <= r["value"]["median"] <= r["value"]["max"]
+
+
+def test_the_transport_bench_puts_the_broker_s_lookup_behind_both_transports(capsys):
+    """`python -m tierkv.bench.transport`: the broker's real handling answers the
+    lookup over ZeroMQ and over a Unix socket (the bench raises on a lookup that does
+    not find its 64 stored keys), and each server process has ended."""
+    from tierkv.bench import transport
+
+    children = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children")
+    before = children.read_text().split()
+    assert transport.main(["--rounds", "20", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    for what in ("echo of its bytes", "the broker's handling"):
+        for kind in transport.KINDS:
+            assert re.search(rf"{what}\s+{kind}\s+\d+\.\d us", printed), printed
+    assert "time of a round trip over the Unix socket / over ZeroMQ" in printed
+    assert children.read_text().split() == before
