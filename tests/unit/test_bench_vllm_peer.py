@@ -91,3 +91,17 @@ def test_peer_row_is_reference_over_ours_with_admission() -> None:
     assert "LMCache 0.5.6 MP 2,000" in row.note
     line = peer_line(peer, workload.steps)
     assert "3.000 ms" in line and "admitted prompt tokens per step: 70" in line
+
+
+def test_the_spread_line_gives_each_back_end_s_quartile_median_tail_and_mean() -> None:
+    """The distribution behind the step's medians, per back end, in ms."""
+    ours = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    theirs = [0.005] * 98 + [0.105] * 2  # 5 ms but two steps
+    o = Overhead(ours=[0.05], theirs=[0.005], our_hits=[0], their_hits=[0],
+                 our_steps=ours, their_steps=theirs)
+    line = o.spread()
+    tierkv, vllm = line.split("tierkv ")[1].split(", vLLM ")
+    p25, median, p90, p99, mean = (float(v) for v in tierkv.split("/"))
+    assert (median, mean) == (50.5, 50.5) and 24 < p25 < 26 and 89 < p90 < 92 and p99 > 98
+    p25, median, p90, p99, mean = (float(v) for v in vllm.split("/"))
+    assert (p25, median, p90, p99, mean) == (5.0, 5.0, 5.0, 105.0, 7.0)

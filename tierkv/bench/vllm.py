@@ -232,6 +232,9 @@ class Overhead:
     # Medians of each step with the `add_request` calls before it (`Timed.with_adds`).
     our_with_adds: list[float] = field(default_factory=list)
     their_with_adds: list[float] = field(default_factory=list)
+    # Every timed step of every repeat, seconds: the distribution behind the medians.
+    our_steps: list[float] = field(default_factory=list)
+    their_steps: list[float] = field(default_factory=list)
     # With `--by-method`: each manager's calls, over every repeat's timed steps.
     our_methods: MethodTimes | None = None
     their_methods: MethodTimes | None = None
@@ -241,6 +244,18 @@ class Overhead:
         return (f"requests answered in the step first asking: tierkv "
                 f"{statistics.median(self.our_answered):.1%}, vLLM "
                 f"{statistics.median(self.their_answered):.1%} (goal >= {ANSWERED_GOAL:.0%})")
+
+    def spread(self) -> str:
+        """Where in the step's distribution the two back ends differ: a median can
+        move while the mean does not (work moved between ordinary steps and those
+        that admit many requests at once), and the other way round."""
+        def points(steps: list[float]) -> str:
+            cuts = statistics.quantiles(steps, n=100, method="inclusive") if len(steps) > 1 \
+                else steps * 99
+            ms = (cuts[24], statistics.median(steps), cuts[89], cuts[98], statistics.mean(steps))
+            return "/".join(f"{v * 1e3:.2f}" for v in ms)
+        return (f"every timed step, p25/median/p90/p99/mean ms: tierkv "
+                f"{points(self.our_steps)}, vLLM {points(self.their_steps)}")
 
     def with_adds(self) -> str:
         """The step with the requests added before it: vLLM adds them on the engine's
@@ -273,6 +288,8 @@ def overhead(workload: Workload, repeats: int, by_method: bool = False) -> Overh
         out.our_answered.append(ours.answered_first)
         out.their_with_adds.append(statistics.median(theirs.with_adds()))
         out.our_with_adds.append(statistics.median(ours.with_adds()))
+        out.their_steps.extend(theirs.seconds)
+        out.our_steps.extend(ours.seconds)
     return out
 
 
@@ -420,7 +437,7 @@ def run(part: Part, opts: Options) -> None:
                           f", vLLM {statistics.median(o.their_hits):,.0f}; prompt tokens "
                           f"admitted per step: tierkv {per_step(o.our_admitted, steps):,.0f}"
                           f", vLLM {per_step(o.their_admitted, steps):,.0f}; {o.answered()}"
-                          f"; {o.with_adds()}"))
+                          f"; {o.with_adds()}; {o.spread()}"))
         if with_peer and not isinstance(env, str) and not part.over_budget(
                 f"LMCache MP, {name}"):
             try:
@@ -499,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(goal <= {OVERHEAD_GOAL})")
     print(o.answered())
     print(o.with_adds())
+    print(o.spread())
     if o.our_methods is not None and o.their_methods is not None:
         print("\n".join(report(o.our_methods, o.their_methods, workload.steps * args.repeats)))
     env = peer_env_or_reason()
