@@ -753,8 +753,7 @@ class _Answers:
         values = self._cache.get(field_name)
         if values is None:
             data = getattr(self.r, field_name)
-            values = self._cache[field_name] = list(data) if typecode == "B" \
-                else unpack_ints(data, typecode)
+            values = self._cache[field_name] = unpack_ints(data, typecode)
         return values
 
     def _span(self, name: str, index: int) -> tuple[int, int]:

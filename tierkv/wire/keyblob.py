@@ -90,8 +90,8 @@ def _little_endian(data: bytes, typecode: str) -> array.array:
 
 
 def unpack_ints(data: bytes, typecode: str) -> list[int]:
-    """Little-endian integers of an `array` typecode ("i" int32, "q" int64) as a list:
-    a reply's few per-group numbers cost a fraction of a numpy array's fixed cost."""
+    """Little-endian integers of an `array` typecode ("B" uint8, "i" int32, "q" int64)
+    as a list: a reply's few per-group numbers cost a fraction of numpy's fixed cost."""
     return _little_endian(data, typecode).tolist()
 
 
