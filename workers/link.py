@@ -238,7 +238,7 @@ class PeerService(ABC):
         return gone_since
 
     def _attach_region(self) -> SharedRegion:
-        return SharedRegion.attach(self.instance)
+        return SharedRegion.attach(self.instance, populate=True)
 
     def _wait(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if we should stop."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.mappings import mapped_kib
 from tierkv.engine import (
     KVCache,
     KVCacheError,
@@ -142,6 +143,20 @@ def test_registration_is_plain_msgpack(instance):
             assert opened.layout == kv.layout
             kv.tensors[1][0, 2].fill_(3.5)
             assert opened.tensors[1][0, 2].eq(3.5).all()
+
+
+def test_the_worker_copies_through_pages_the_engine_allocated_and_it_mapped(instance):
+    # The segment is allocated whole when the engine makes it, and the worker maps
+    # every page when it opens it: neither side's first copy of a block faults its
+    # pages in one by one.
+    layout = KVLayout.per_layer(2, 64, 16, 2, 64, "float16")
+    with allocate_kv_cache(instance, 0, layout) as kv:
+        size = kv.registration()["segments"][0]["size"]
+        name = kv.registration()["segments"][0]["name"]
+        assert os.stat(f"/dev/shm{name}").st_blocks * 512 >= size
+        assert not kv.tensors[1].any()
+        with open_kv_cache(kv.registration()) as opened:
+            assert mapped_kib(opened.byte_block_views()[0]) * 1024 >= size
 
 
 CHILD_OPEN = """

@@ -12,6 +12,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from tests.mappings import mapped_kib
 from tierkv.core.shm import (
     ALIGN,
     RegionError,
@@ -196,3 +197,23 @@ def test_prefault_allocates_without_changing_contents(instance):
         assert not region.numpy().any()  # still zero
         used = os.stat(f"/dev/shm{region.name}").st_blocks * 512
         assert used >= region.layout.total_size - 4096  # the pages exist now
+
+
+def test_a_process_that_copies_through_the_region_maps_it_whole_at_attach(instance):
+    # A worker attaching a prefaulted region has every page mapped before its first
+    # copy (no page fault per 4 KiB page in the copy); another attach maps only what
+    # it touches.
+    with SharedRegion.create(instance, 64, 64 * 1024, prefault=True) as region:
+        with SharedRegion.attach(instance, populate=True) as copier:
+            assert mapped_kib(copier.numpy()) * 1024 >= region.layout.total_size - 4096
+            assert not copier.numpy().any()  # contents unchanged
+        with SharedRegion.attach(instance) as reader:
+            assert mapped_kib(reader.numpy()) * 1024 < region.layout.total_size // 2
+
+
+def test_populate_allocates_nothing_the_broker_did_not(instance):
+    with SharedRegion.create(instance, 64, 64 * 1024, prefault=False) as region:
+        with SharedRegion.attach(instance, populate=True) as copier:
+            used = os.stat(f"/dev/shm{region.name}").st_blocks * 512
+            assert used < region.layout.total_size // 2
+            assert mapped_kib(copier.numpy()) * 1024 < region.layout.total_size // 2

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
-from tierkv.core.shm import RegionError, _check_free_shm, _check_instance, align_up
+from tierkv.core.shm import RegionError, _check_free_shm, _check_instance, align_up, allocate_pages
 from tierkv.engine.layout import REGISTRATION_VERSION, KVCacheError, KVLayout, check_tensors
 from tierkv.engine.segments import (
     _close_map,
@@ -161,6 +161,7 @@ def allocate_kv_cache(instance: str, rank: int, layout: KVLayout) -> KVCache:
     name = kv_segment_name(instance, rank, os.getpid(), next(_SEQ))
     mm = _map_segment(name, size)
     try:
+        allocate_pages(mm)  # allocated now, as the broker's region: the worker maps it whole
         specs = [
             (off, shape, _contiguous_stride(shape))
             for off, shape in zip(offsets, layout.tensor_shapes, strict=True)

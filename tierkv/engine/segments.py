@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import posix_ipc
 
-from tierkv.core.shm import owner_alive
+from tierkv.core.shm import map_resident, owner_alive
 from tierkv.engine.layout import DTYPE_SIZES, KVCacheError
 
 if TYPE_CHECKING:
@@ -41,7 +41,11 @@ def _map_segment(name: str, size: int | None = None) -> mmap.mmap:
         what = "already exists" if size is not None else "does not exist (engine gone?)"
         raise KVCacheError(f"shared memory {name} {what}") from e
     try:
-        return mmap.mmap(shm.fd, shm.size if size is None else size)
+        if size is not None:
+            return mmap.mmap(shm.fd, size)
+        mm = mmap.mmap(shm.fd, shm.size)
+        map_resident(mm, shm.fd)  # the worker copies through the engine's pages
+        return mm
     except OSError:
         if size is not None:
             shm.unlink()

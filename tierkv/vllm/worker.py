@@ -306,7 +306,7 @@ class TierkvOffloadingWorker(OffloadingWorker):
         if generation is not None and generation in self._engines:
             return self._engines[generation]
         try:
-            region = SharedRegion.attach(self.instance)
+            region = SharedRegion.attach(self.instance, populate=True)
         except RegionError as e:
             if generation is None:
                 raise RegionError(f"tierkv: {e}") from e
