@@ -157,18 +157,19 @@ def test_consecutive_and_scattered_paths_agree(instance, monkeypatch):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_grouped_loads_land_what_the_page_layout_says(instance, monkeypatch, world_size):
-    """Loads into a per_layer KV cache through the grouped copies (every tensor at
-    once, two blocks a call: a run of 5, runs of 1) beside the other paths (a run
-    whose GPU ids are scattered) copy each page to its block and nothing else."""
+def test_grouped_copies_land_what_the_page_layout_says(instance, monkeypatch, world_size):
+    """Stores from and loads into a per_layer KV cache through the grouped copies
+    (every tensor at once: a store's run whole, a load's two blocks a call; a run of
+    5, runs of 1) beside the other paths (a run whose ids are scattered) copy each
+    page to its block and nothing else."""
     monkeypatch.setattr(transfer_cpu, "GROUP_MIN_PIECE", 1)  # the test's pieces are small
     monkeypatch.setattr(transfer_cpu, "MIN_RUN_BYTES", 1)
-    grouped: list[int] = []
+    grouped: list[tuple[int, int | None]] = []
     real = transfer_cpu._copy_grouped
 
-    def counting(src, dst, s0, d0, n):
-        grouped.append(n)
-        real(src, dst, s0, d0, n)
+    def counting(src, dst, s0, d0, n, group):
+        grouped.append((n, group))
+        real(src, dst, s0, d0, n, group)
 
     monkeypatch.setattr(transfer_cpu, "_copy_grouped", counting)
     layout = LAYOUTS["per_layer"]()
@@ -180,13 +181,25 @@ def test_grouped_loads_land_what_the_page_layout_says(instance, monkeypatch, wor
             fill_random(rank.kv, seed=r)
             assert run(rank.engine, TransferJob(1, "store", every, every))[1].success
         pages = [[bytes(region.page(c, r)) for c in every] for r in range(world_size)]
+        for r, rank in enumerate(rs):
+            assert pages[r] == [page_of(rank.kv, g) for g in every]
+            fill_random(rank.kv, seed=10 + r)
+            assert run(rank.engine, TransferJob(3, "store", gpu, cpu))[3].success
+            new = {c: page_of(rank.kv, g) for g, c in zip(gpu, cpu, strict=True)}
+            for c in every:  # the stored rows are the new pages; the others are as they were
+                assert bytes(region.page(c, r)) == new.get(c, pages[r][c])
+            pages[r] = [bytes(region.page(c, r)) for c in every]
         for rank in rs:
             zero_blocks(rank.kv, list(range(NUM_BLOCKS)))
             assert run(rank.engine, TransferJob(2, "load", gpu, cpu))[2].success
         for r, rank in enumerate(rs):
             assert [page_of(rank.kv, g) for g in gpu] == [pages[r][c] for c in cpu]
             assert not any(any(page_of(rank.kv, g)) for g in range(NUM_BLOCKS) if g not in gpu)
-    assert sorted(grouped) == sorted([1, 1, 1, 5] * world_size)  # cpu 0, 2, 19; 10..14
+    stores = sorted(n for n, group in grouped if group is None)
+    loads = sorted(n for n, group in grouped if group is not None)
+    # the first store whole; then gpu 0, 9, 12, 15 alone, 3..7 to 10..14, 20 and 21 to 6, 7
+    assert stores == sorted([CPU_BLOCKS, 1, 1, 1, 1, 5, 2] * world_size)
+    assert loads == sorted([1, 1, 1, 5] * world_size)  # cpu 0, 2, 19; 10..14
 
 
 def test_stacked_views_only_for_evenly_spaced_tensors():
