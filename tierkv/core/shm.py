@@ -340,6 +340,7 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def allocate_pages(mm: mmap.mmap) -> None:
+    """Allocate a new segment's pages now, not at the first copy into each."""
     try:
         mm.madvise(MADV_POPULATE_WRITE)
     except OSError:  # an older kernel: touch one byte per page (the region is new, zero)

@@ -39,9 +39,10 @@ them all (`SideViews.stacked`), and a run of consecutive blocks is copied
 made 0.95-1.25x; with 1 KiB pieces no order gained: `GROUP_MIN_PIECE`). Stores
 from such a cache take the same stacked views the other way, the whole run in one
 call: numpy then writes each row of the region front to back and reads the pieces
-of every tensor in turn, as the chunked memcpy does; with 256 KiB pages 1.10-1.15x
-the slice copy per tensor (two sequential streams read per tensor, each row
-written a piece at a time across the run), 1.04x the chunked memcpy.
+of every tensor in turn, as the chunked memcpy does. With 256 KiB pages it made
+1.03-1.07x the chunked memcpy where the slice copy per tensor (two sequential
+streams read per tensor, each row written a piece at a time across the run) made
+0.93-1.00x; with 2 MiB pages both about 0.94x.
 
 torch's CPU index_select/index_copy_ move bytes one element at a time and were
 10-30x slower than numpy's memmove-based paths; torch intra-op threads made
