@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import subprocess
@@ -13,6 +14,7 @@ import posix_ipc
 import pytest
 
 from tests.mappings import mapped_kib
+from tierkv.core import shm
 from tierkv.core.shm import (
     ALIGN,
     RegionError,
@@ -197,6 +199,27 @@ def test_prefault_allocates_without_changing_contents(instance):
         assert not region.numpy().any()  # still zero
         used = os.stat(f"/dev/shm{region.name}").st_blocks * 512
         assert used >= region.layout.total_size - 4096  # the pages exist now
+
+
+def test_without_populate_write_every_page_is_allocated_and_kept(instance, monkeypatch):
+    # A kernel before 5.14 refuses the advice: each page is written back as it is
+    # (a page written before keeps its bytes), the first included (a KV cache's
+    # segment has no header there).
+    monkeypatch.setattr(shm, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel takes
+    name = f"/tierkv.{instance}.fallback"
+    size = 64 * ALIGN
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        mm = mmap.mmap(segment.fd, size)
+        at = 3 * ALIGN
+        mm[at:at + 5] = b"kept!"
+        shm.allocate_pages(mm)
+        assert os.stat(f"/dev/shm{name}").st_blocks * 512 >= size
+        assert mm[at:at + 5] == b"kept!" and mm[:at] == bytes(at) and not any(mm[at + 5:])
+        mm.close()
+    finally:
+        segment.close_fd()
+        segment.unlink()
 
 
 def test_a_process_that_copies_through_the_region_maps_it_whole_at_attach(instance):

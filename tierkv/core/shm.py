@@ -343,8 +343,9 @@ def allocate_pages(mm: mmap.mmap) -> None:
     """Allocate a new segment's pages now, not at the first copy into each."""
     try:
         mm.madvise(MADV_POPULATE_WRITE)
-    except OSError:  # an older kernel: touch one byte per page (the region is new, zero)
-        np.frombuffer(mm, dtype=np.uint8)[HEADER_SIZE::ALIGN] = 0
+    except OSError:  # an older kernel: write one byte per page back as it is
+        data = np.frombuffer(mm, dtype=np.uint8)
+        data[::ALIGN] = data[::ALIGN].copy()  # (the same view, numpy would skip it)
 
 
 # Linux >= 5.14: map pages that exist into this process without writing them.
