@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.events import EventRouter
-from broker.ops import GroupFailed, StepOps
+from broker.ops import GroupFailed, StepOps, check_fits
 from broker.owners import Owner, OwnerTable
 from broker.peers import Peer, PeerState, PeerTable, fence, gone
 from broker.registrations import RegistrationRefused, Registrations
@@ -36,6 +36,7 @@ from tierkv.wire.protocol import (
     AttachedKV,
     AttachKV,
     Bye,
+    DetachKV,
     ErrorInfo,
     Heartbeat,
     Inventory,
@@ -118,7 +119,12 @@ class BrokerCore:
         self.peers = PeerTable(config.broker.heartbeat_s)
         self.transfers = TransferTracker()
         self.started_at = clock()
-        self._job_ids = itertools.count(1)
+        # Job ids no other start of this broker issues: a client that lived through a
+        # restart must never take the new broker's job for one it was given before.
+        # Microseconds since the epoch stay ahead of any earlier start's ids as long
+        # as jobs come slower than one a microsecond, which a Python broker cannot beat.
+        self.first_job_id = time.time_ns() // 1000
+        self._job_ids = itertools.count(self.first_job_id)
         self._workers: dict[int, Peer] = {}  # rank -> ready worker
         self.registrations = Registrations()
         broker = config.broker
@@ -192,6 +198,8 @@ class BrokerCore:
         if msg.step or msg.poll or msg.wait:
             out.update(finished=[], events=[], step=self.manager.step_count)
         wanted = set(msg.wait)
+        if wanted:
+            self._fail_unknown_jobs(client, wanted)
         if wanted and not self._finished_all(client, wanted) and msg.wait_s > 0:
             self._waiting.append(_Wait(client, msg.id, out, wanted,
                                        self.clock() + msg.wait_s))
@@ -210,6 +218,17 @@ class BrokerCore:
         with the address alone (not the node's config) learns how often to ping."""
         self._send("client", client, Reply(request_id, ok, result, error,
                                            self.owners.owner_timeout_s))
+
+    def _fail_unknown_jobs(self, client: bytes, wanted: set[int]) -> None:
+        """Jobs this broker never issued (an earlier start's, to a client that lived
+        through the restart) never finish here: they are answered failed at once, so
+        the client neither waits them out nor reads bytes that never landed."""
+        unknown = [j for j in wanted if j < self.first_job_id]
+        if unknown:
+            self._finished.setdefault(client, []).extend(
+                TransferResult(j, "unknown", False, ErrorCode.UNAVAILABLE.value,
+                               "not a job of this broker: the broker that issued it is gone, "
+                               "and its transfer may not have finished") for j in unknown)
 
     def _finished_all(self, client: bytes, wanted: set[int]) -> bool:
         done = {r.job_id for r in self._finished.get(client, ())}
@@ -254,6 +273,7 @@ class BrokerCore:
         if len(gpu_ids) != len(keys) or min(gpu_ids, default=0) < 0:
             raise GroupFailed(ErrorCode.BAD_REQUEST, "a negative GPU block id")
         workers = self._require_workers("stores", client, tokens)
+        check_fits(self.manager.primary, keys)
         out = self.manager.prepare_store(keys, req_id)
         if out is None:
             self.counters["stores_refused"] += 1
@@ -568,10 +588,12 @@ class BrokerCore:
         self._finished.pop(owner.identity, None)
         self.events.take(owner.identity)
         self._waiting = [w for w in self._waiting if w.client != owner.identity]
-        for rank in self.registrations.drop_client(owner.identity):
+        for rank, token in self.registrations.drop_client(owner.identity):
             peer = self._workers.get(rank)
             if peer is not None:
                 peer.extra["kv_attached"] = False
+                # The worker would keep the exited engine's memory mapped otherwise.
+                self._send_peer(peer, DetachKV(token))
             log.info("rank %d's KV registration ended with the client that made it", rank)
 
     def _release_quarantined(self) -> None:

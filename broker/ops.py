@@ -47,6 +47,17 @@ class GroupFailed(Exception):
         self.code = code
 
 
+def check_fits(primary: Any, keys: list[OffloadKey]) -> None:
+    """A group of more new blocks than the whole CPU tier has can never be stored,
+    however much is evicted: `too_large`, so that the caller splits it rather than
+    retrying it as if the tier were only full right now (`refused`)."""
+    new = sum(not primary.contains(k) for k in dict.fromkeys(keys))
+    if new > primary.num_blocks:
+        raise GroupFailed(ErrorCode.TOO_LARGE,
+                          f"{new} new blocks in one group, more than the whole CPU tier "
+                          f"holds (cpu.num_blocks = {primary.num_blocks}): split it")
+
+
 class _Groups:
     """A section's groups: (index, req_id, keys) in order."""
 
@@ -98,7 +109,8 @@ class StepOps:
                 sections[name] = _Groups(groups, keys, at, name, owner)
                 at = sections[name].end
         contexts = [(owner.scope(c.req_id), c, _hints(c, i)) for i, c in enumerate(msg.contexts)]
-        out: dict[str, Any] = {"errors": []}
+        # Every reply names the region: a client tells a restarted broker by it.
+        out: dict[str, Any] = {"errors": [], "region": self.core.region_id}
         manager = self.core.manager
         errors: list[OpError] = out["errors"]
 
@@ -112,6 +124,8 @@ class StepOps:
                     errors.append(OpError(name, i, ErrorCode.BAD_REQUEST.value, str(e)))
 
         owners = self.core.owners
+        if msg.region and msg.region != self.core.region_id:
+            self._refuse_stale_commits(owner, sections, msg.region, out)
         if "commit" in sections:
             ok = np.frombuffer(msg.commit_ok, dtype=np.uint8)
             each("commit", lambda i, r, g: owners.commit(owner, g, bool(ok[i])))
@@ -246,8 +260,9 @@ class StepOps:
                 row = manager.primary.block_id(key)
                 reserved[start + where[key]] = -1 if row is None else row
             try:
+                check_fits(manager.primary, keys)
                 owners.check_room(owner, sum(not manager.primary.contains(k) for k in where))
-            except OwnerRefused as e:
+            except (GroupFailed, OwnerRefused) as e:
                 errors.append(OpError("reserve", i, e.code.value, str(e)))
                 continue
             result = manager.prepare_store(keys)
@@ -265,6 +280,29 @@ class StepOps:
         out.update(reserved=reserved.tobytes(), reserve_ok=ok.tobytes(), evicted=blob,
                    region=self.core.region_id,
                    evicted_lens=lens if lens else bytes([width]) * len(evicted))
+
+    def _refuse_stale_commits(self, owner: Owner, sections: dict[str, _Groups], region: str,
+                              out: dict[str, Any]) -> None:
+        """The engine wrote its rows into a region this broker does not serve (mapped
+        before a restart): committing them would serve the new region's stale rows as
+        hits. Every commit of the request is refused and its reservation aborted, so
+        the rows are freed now rather than at the reservation's deadline."""
+        errors: list[OpError] = out["errors"]
+        message = (f"rows written into CPU region {region!r}, but this broker serves "
+                   f"{self.core.region_id!r}: map the region again and rewrite them")
+        for name in ("commit", "commit_as"):
+            groups = sections.pop(name, None)
+            if groups is None:
+                continue
+            for i, _req_id, keys in groups:
+                reserved = keys[:len(keys) // 2] if name == "commit_as" else keys
+                try:
+                    self.core.owners.commit(owner, reserved, False)
+                except (GroupFailed, OwnerRefused, BlockStateError, ValueError):
+                    pass  # not this client's reservation (any more): nothing to free
+                errors.append(OpError(name, i, ErrorCode.STALE_REGION.value, message))
+            if name == "commit_as":
+                out["stored_as"] = bytes(groups.total // 2)
 
     def _commit_as(self, owner: Owner, groups: _Groups, out: dict[str, Any]) -> None:
         """Each group: n reserved keys, then the n keys their rows were written with."""

@@ -110,16 +110,18 @@ class Registrations:
         given = tokens[rank] if rank < len(tokens) else ""
         return bool(given) and secrets.compare_digest(given, owner.token)
 
-    def drop_client(self, client: bytes) -> list[int]:
-        """The client that registered these ranks ended: their registrations go."""
-        ranks = [rank for rank, owner in self._owners.items() if owner.client == client]
-        for rank in ranks:
+    def drop_client(self, client: bytes) -> list[tuple[int, str]]:
+        """The client that registered these ranks ended: their registrations go.
+        Returns (rank, token) of each, so its worker can be told which to let go of."""
+        ended = [(rank, owner.token) for rank, owner in self._owners.items()
+                 if owner.client == client]
+        for rank, _ in ended:
             del self._owners[rank]
             self.working.pop(rank, None)
         for rank, (waiting, _) in list(self._waiting.items()):
             if waiting == client:
                 del self._waiting[rank]
-        return ranks
+        return ended
 
     def for_new_worker(self, rank: int) -> tuple[bytes | None, dict[str, Any]] | None:
         """What a worker that just said hello should attach: a registration that

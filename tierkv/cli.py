@@ -24,7 +24,7 @@ from tierkv.node.config import ConfigError, load_config
 def _status(args: argparse.Namespace) -> int:
     from tierkv.node.status import gather, render, report
 
-    config = load_config(args.config)
+    config = load_config(args.config, starting=False)
     status = gather(config, timeout=args.timeout)
     print(json.dumps(report(status), indent=2, default=str) if args.json else render(status))
     return 0 if status.get("broker") is not None else 1
@@ -84,7 +84,7 @@ def _down(args: argparse.Namespace) -> int:
     from tierkv.node.control import NotRunning, down
     from tierkv.wire.sockets import RunDirError
 
-    config = load_config(args.config)
+    config = load_config(args.config, starting=False)
     sup = config.supervisor
     # Stopping: the broker (it drains), then everyone else, each within stop_timeout_s.
     timeout = args.timeout if args.timeout is not None else 2 * sup.stop_timeout_s + 10

@@ -194,6 +194,10 @@ class Client:
         self._closed = threading.Event()
         self._held: list[JobResult] = []  # finished while `wait` looked for others
         self._held_events: list[OffloadEvent] = []
+        # The broker's CPU region as its last reply named it: a new one means a new
+        # broker, which knows nothing of the old one's jobs (see `_saw_region`).
+        self._region = ""
+        self._broker_starts = 0  # how many times a reply named a new region
         self._posted: set[int] = set()  # requests sent by `post`, their replies not taken
         self._replies: dict[int, Reply] = {}  # replies to those, come while looking for others
         # rank -> the token of its KV registration: ours (kept to replace it, also
@@ -242,13 +246,16 @@ class Client:
         """Allocate CPU blocks the engine writes itself (no copy is dispatched)."""
         return self.batch().reserve(keys, req_id).send_one()
 
-    def commit(self, keys: Sequence[OffloadKey], ok: bool = True) -> None:
-        """Reserved blocks were written (they become hits), or not (`ok` False: freed)."""
-        self.batch().commit(keys, ok).send_one()
+    def commit(self, keys: Sequence[OffloadKey], ok: bool = True, region: str = "") -> None:
+        """Reserved blocks were written (they become hits), or not (`ok` False: freed).
+        `region`: the `SharedRegion.generation` the engine wrote into; a broker that
+        serves another region refuses the commit (`stale_region`)."""
+        self.batch().commit(keys, ok, region).send_one()
 
-    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey]) -> list[bool]:
+    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey],
+                  region: str = "") -> list[bool]:
         """Reserved rows were written with the blocks of `keys` (see `Batch.commit_as`)."""
-        return self.batch().commit_as(reserved, keys).send_one()
+        return self.batch().commit_as(reserved, keys, region).send_one()
 
     def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> list[int]:
         """Protect ready blocks the engine reads itself; their CPU block ids."""
@@ -282,6 +289,7 @@ class Client:
         wanted = {j for j in job_ids if j is not None}
         done: dict[int, JobResult] = {}
         limit = timeout or self.timeout
+        starts = self._broker_starts
         deadline = time.monotonic() + limit
         for result in self._held[:]:
             if result.job_id in wanted:
@@ -295,6 +303,11 @@ class Client:
             batch = self.batch().step()
             batch.wait_for(sorted(wanted - done.keys()), min(left, self.timeout / 2))
             step = batch.send_one(timeout=min(left, self.timeout / 2) + self.timeout / 2)
+            if self._broker_starts != starts:
+                # The jobs asked for were the old broker's: whatever finished of them
+                # was never said, so none may be read as done.
+                done.update(_lost_jobs(wanted - done.keys()))
+                break
             for result in step.finished:
                 if result.job_id in wanted:
                     done[result.job_id] = result
@@ -377,6 +390,18 @@ class Client:
 
     def _id(self) -> int:
         return next(self._ids)
+
+    def _saw_region(self, region: str) -> None:
+        """A reply named the broker's CPU region. Another one than before means the
+        broker restarted: results and events held from the old one are dropped, for
+        its job ids and rows mean nothing to the new one."""
+        if not region or region == self._region:
+            return
+        if self._region:
+            self._held.clear()
+            self._held_events.clear()
+            self._broker_starts += 1
+        self._region = region
 
     def _with_held(self, step: Step) -> Step:
         if not self._held and not self._held_events:
@@ -554,6 +579,7 @@ class Batch:
         self._step = self._poll = False
         self._wait: list[int] = []
         self._wait_s = 0.0
+        self._region = ""  # the region the committed rows were written into
         self._slots: list[tuple[str, int]] = []  # per call: (kind, index in its section)
 
     def _add(self, name: str, keys: Sequence[OffloadKey], req_id: str | None = None,
@@ -587,15 +613,24 @@ class Batch:
     def reserve(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
         return self._add("reserve", keys, req_id)
 
-    def commit(self, keys: Sequence[OffloadKey], ok: bool = True) -> Batch:
+    def commit(self, keys: Sequence[OffloadKey], ok: bool = True, region: str = "") -> Batch:
+        self._written_into(region)
         return self._add("commit", keys, None, bool(ok))
 
-    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey]) -> Batch:
+    def _written_into(self, region: str) -> None:
+        if region and self._region and region != self._region:
+            raise ValueError(f"commits of one batch name two regions: {self._region!r} "
+                             f"and {region!r}")
+        self._region = region or self._region
+
+    def commit_as(self, reserved: Sequence[OffloadKey], keys: Sequence[OffloadKey],
+                  region: str = "") -> Batch:
         """End reservations of `reserved` whose rows were written with the blocks of
         `keys` (co-indexed). Its result: per pair, whether the row is now that key's
         block (False: the key was present or being written already; the row is freed)."""
         if len(reserved) != len(keys):
             raise ValueError(f"{len(reserved)} reserved keys but {len(keys)} keys")
+        self._written_into(region)
         return self._add("commit_as", [*reserved, *keys])
 
     def pin(self, keys: Sequence[OffloadKey], req_id: str | None = None) -> Batch:
@@ -667,7 +702,7 @@ class Batch:
                           contexts=self._contexts, lookup_status=self._status,
                           lookup_pin=bool(self._pin),
                           step=self._step, poll=self._poll, wait=self._wait,
-                          wait_s=self._wait_s, **fields)
+                          wait_s=self._wait_s, region=self._region, **fields)
 
     def send(self, timeout: float | None = None) -> list[Any]:
         """One result per call, in call order; a refused call's slot holds its
@@ -681,6 +716,7 @@ class Batch:
         raises its `RemoteError` if the whole request was refused."""
         result = self._client._unwrap(reply)
         answers = result if isinstance(result, OpsResult) else to_record(OpsResult, result)
+        self._client._saw_region(answers.region)
         return _Answers(self, answers).in_call_order()
 
     def send_one(self, timeout: float | None = None) -> Any:
@@ -811,6 +847,12 @@ class _Answers:
             return Lookup(hits, state != 0, state == 2, statuses, sources)
         return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,
                       self.r.pin_s)
+
+
+def _lost_jobs(job_ids: set[int]) -> dict[int, JobResult]:
+    return {j: JobResult(j, "unknown", False, "unavailable",
+                         "the broker restarted: this job's transfer may not have finished")
+            for j in job_ids}
 
 
 def _ms_left(deadline: float) -> int:

@@ -32,6 +32,7 @@ from tierkv.wire.protocol import (
     TO_WORKER_OPS,
     AttachedKV,
     AttachKV,
+    DetachKV,
     TransferBatch,
     TransferDoneBatch,
     WorkerHello,
@@ -143,6 +144,8 @@ class WorkerService(PeerService):
                         engine.submit(job)
                 elif isinstance(msg, AttachKV):
                     link.send(self._attach(msg))
+                elif isinstance(msg, DetachKV):
+                    self._detach(msg.token)
             done = engine.poll()
             if done:
                 link.send(TransferDoneBatch(done))
@@ -195,6 +198,15 @@ class WorkerService(PeerService):
             self.engine = None
         self._unpin()
         region.close()
+
+    def _detach(self, token: str) -> None:
+        """The engine's registration ended: unmap its KV cache, so an exited engine's
+        memory is freed. `detach` first waits for the jobs in flight on it."""
+        if self.kv is None or not token or token != self.registration_token:
+            return  # a newer registration replaced it: that one stays
+        self.engine.detach()
+        self._drop_kv()
+        log.info("rank %d let go of the KV cache of an ended registration", self.rank)
 
     def _drop_kv(self) -> None:
         if self.kv is not None:

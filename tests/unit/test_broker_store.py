@@ -115,3 +115,35 @@ def test_a_job_whose_blocks_cannot_be_released_is_still_answered(tmp_path: Path,
     assert [r.job_id for r in reply.result.finished] == [job_id]
     assert core.counters["outcome_errors"] == 1
     core.manager.check_invariants()
+
+
+def test_a_group_larger_than_the_whole_cpu_tier_is_too_large_not_refused(
+        tmp_path: Path, instance):
+    """17 new blocks can never fit a 16-block tier, however much is evicted: the
+    caller is told `too_large` (split it), not `refused` as for a tier full now."""
+    from tierkv.core.errors import ErrorCode
+    from tierkv.wire.keyblob import pack_counts
+    from tierkv.wire.protocol import KeyGroups
+
+    sent: list[object] = []
+    core = node(tmp_path, instance, sent)
+    keys = b"".join(k(*range(1, 18)))
+
+    def ops(request_id: int, **sections: object) -> Reply:
+        sent.clear()
+        core.on_client(b"c", OpsRequest(request_id, keys, 8, b"", **sections))
+        (reply,) = [m for m in sent if isinstance(m, Reply) and m.id == request_id]
+        return reply
+
+    reply = ops(1, reserve=KeyGroups(pack_counts([17])))
+    assert [(e.section, e.code) for e in reply.result.errors] == [
+        ("reserve", ErrorCode.TOO_LARGE.value)]
+    assert "cpu.num_blocks = 16" in reply.result.errors[0].message
+    assert reply.result.reserve_ok == b"\x00"
+    reply = ops(2, store=KeyGroups(pack_counts([17])), store_gpu=b"\x00\x00\x00\x00" * 17)
+    assert [(e.section, e.code) for e in reply.result.errors] == [
+        ("store", ErrorCode.TOO_LARGE.value)]
+    assert core.manager.primary.lookup(k(1)) == 0  # nothing allocated
+    reply = ops(3, reserve=KeyGroups(pack_counts([8, 9])))  # 8 fit; 9 of 16 hits the quota
+    assert [e.code for e in reply.result.errors] == [ErrorCode.QUOTA.value]
+    assert reply.result.reserve_ok == b"\x01\x00"

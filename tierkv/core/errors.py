@@ -23,6 +23,12 @@ class ErrorCode(enum.StrEnum):
     NOT_OWNER = "not_owner"  # the state named belongs to another client (or to none)
     EXPIRED = "expired"  # the reservation or pin passed its deadline and was ended
     QUOTA = "quota"  # the client holds its share of the CPU tier already
+    # A store or reserve of more new blocks than the whole CPU tier has: it can never
+    # fit, unlike a tier that is only full now (`refused`); split it.
+    TOO_LARGE = "too_large"
+    # Rows written into a CPU region this broker does not serve (a broker restarted
+    # since the engine mapped it): the bytes are not in the tier, so nothing is committed.
+    STALE_REGION = "stale_region"
 
 
 # Failures that mean a tier does not hold the key (any more), as opposed to a dead

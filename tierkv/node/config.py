@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.core.policies import known_policies
+from tierkv.core.shm import MAX_INSTANCE_LEN
 from tierkv.node.realtime import check_priority
 from tierkv.tiers.registry import TierOptionError, check_tier_entry
 from tierkv.wire.sockets import CurveClientKeys, is_loopback
@@ -231,8 +232,12 @@ def tier_name(entry: dict[str, Any]) -> str:
 # -- loading -------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
-    """Read and validate a config file (None: the defaults)."""
+def load_config(path: str | os.PathLike[str] | None = None, *, starting: bool = True,
+                **overrides: Any) -> Config:
+    """Read and validate a config file (None: the defaults). `starting=False` skips
+    the checks of this machine that only starting a node needs (the size of
+    /dev/shm): `tierkv down` and `status` only need the addresses, and must reach a
+    running node even where a fresh start would be refused."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -245,13 +250,14 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML ({e})") from None
     data.update(overrides)
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, starting=starting)
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+def config_from_dict(data: dict[str, Any], source: str = "<dict>", *,
+                     starting: bool = True) -> Config:
     config = _build(Config, data, source, "")
     config.source = source
-    _check(config)
+    _check(config, starting)
     return config
 
 
@@ -298,14 +304,18 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:80]
 
 
-def _check(c: Config) -> None:
+def _check(c: Config, starting: bool = True) -> None:
     src = c.source
 
     def fail(key: str, why: str) -> None:
         raise ConfigError(f"{src}: {key} {why}")
 
-    if not c.instance or "/" in c.instance or len(c.instance) > 48:
-        fail("instance", f"must be 1..48 characters without '/', got {c.instance!r}")
+    # Counted in bytes of UTF-8, as the shared-memory name is (tierkv.core.shm), so a
+    # name `up` would refuse is refused here first.
+    if (not c.instance or "/" in c.instance or "\x00" in c.instance
+            or len(c.instance.encode()) > MAX_INSTANCE_LEN):
+        fail("instance", f"must be 1..{MAX_INSTANCE_LEN} bytes of UTF-8 without '/', got "
+             f"{c.instance!r} ({len(c.instance.encode())} bytes)")
     for key in ("num_blocks", "page_size", "world_size"):
         if getattr(c.cpu, key) <= 0:
             fail(f"cpu.{key}", f"must be positive, got {getattr(c.cpu, key)}")
@@ -316,12 +326,12 @@ def _check(c: Config) -> None:
     if c.cpu.policy not in known_policies():
         fail("cpu.policy", f"is {c.cpu.policy!r}; known: {', '.join(known_policies())}")
     size = c.cpu.num_blocks * c.cpu.page_size * c.cpu.world_size
-    limit = _shm_capacity()
+    limit = _shm_capacity() if starting else None
     if limit is not None and size > limit:
         fail(
             "cpu.num_blocks",
-            f"x page_size x world_size = {size / 2**30:.1f} GiB of shared memory, "
-            f"more than this machine has ({limit / 2**30:.1f} GiB in /dev/shm)",
+            f"x page_size x world_size = {format_bytes(size)} of shared memory, "
+            f"more than this machine has ({format_bytes(limit)} in /dev/shm)",
         )
     for key in ("tick_ms", "heartbeat_s", "job_timeout_s", "drain_timeout_s", "lease_s",
                 "owner_timeout_s", "reservation_s", "pin_s"):
@@ -373,10 +383,49 @@ def _check(c: Config) -> None:
             check_tier_entry(entry)
         except TierOptionError as e:
             fail(f"tiers[{i}].{e.key}", e.why)
+        why = _check_budget(entry, c.cpu.page_size * c.cpu.world_size)
+        if why is not None:
+            fail(f"tiers[{i}].budget_bytes", why)
         name = tier_name(entry)
         if name in seen:
             fail(f"tiers[{i}].name", f"{name!r} is used twice")
         seen.add(name)
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _check_budget(entry: dict[str, Any], block_bytes: int) -> str | None:
+    """Why a tier's `budget_bytes` can never work, or None: it travels as a msgpack
+    int64 and must hold one block (a disk slot: the block plus its header), which the
+    tier's own options cannot tell without the CPU tier's page size; checked here so
+    that `tierkv config` refuses what the tier process would die on."""
+    if "budget_bytes" not in entry:
+        return None
+    budget = entry["budget_bytes"]
+    if type(budget) is not int:
+        return f"must be an integer number of bytes, got {_kind(budget)}"
+    if budget > INT64_MAX:
+        return f"must be at most {INT64_MAX} (int64), got {budget}"
+    if budget == 0 and entry.get("type") != "disk":
+        return None  # 0: unbounded, where the tier type allows it
+    least = block_bytes
+    if entry.get("type") == "disk":
+        from workers.disk.layout import slot_bytes_for
+
+        least = slot_bytes_for(block_bytes)
+    if budget < least:
+        return (f"must hold at least one block ({least} bytes = {format_bytes(least)}, "
+                f"from cpu.page_size x cpu.world_size), got {budget}")
+    return None
+
+
+def format_bytes(n: int) -> str:
+    """A size in the unit that shows it: a 200 MiB /dev/shm is not "0.0 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def check_tiers_here(c: Config) -> None:

@@ -189,6 +189,10 @@ class OpsRequest(Message):
     # layers), 0 a leading run (full attention: promotions stop at its first miss).
     # Empty: `lookup_status` for every group.
     lookup_modes: bytes = b""
+    # The CPU region (`SharedRegion.generation`) the engine wrote the rows it commits
+    # into: a commit into another region than the broker's is refused `stale_region`.
+    # Empty: not said (the worker path, which the broker's own region serves).
+    region: str = ""
 
     def check(self) -> None:
         for name, values, limit in (("contexts", self.contexts, MAX_CONTEXTS),
@@ -283,8 +287,9 @@ class OpsResult:
     finished: list[TransferResult] = field(default_factory=list)
     events: list[OffloadEvent] = field(default_factory=list)
     step: int = 0
-    # The CPU region the block ids above name (`SharedRegion.generation`): a broker
-    # restarted on the same instance makes a new one, and ids of the old are void.
+    # The CPU region the block ids above name (`SharedRegion.generation`), in every
+    # reply: a broker restarted on the same instance makes a new one, and block ids,
+    # job ids and results of the old are void (a client drops what it held of them).
     region: str = ""
     # How long the pins this reply took are held unless released or taken again
     # (`broker.pin_s`; 0: it took none): a client may keep a hit that long without
@@ -344,7 +349,8 @@ class EventBatch(Message):
 CLIENT_OPS = frozenset({"ops", "stats", "kv_register", "hb", "bye"})
 WORKER_OPS = frozenset({"worker_hello", "transfer_done", "kv_attached", "hb", "bye"})
 TIER_OPS = frozenset({"tier_hello", "inventory", "ready", "tier_done", "tier_stats", "hb", "bye"})
-TO_WORKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "hb", "bye"})
+TO_WORKER_OPS = frozenset({"welcome", "refused", "transfer", "kv_attach", "kv_detach", "hb",
+                           "bye"})
 TO_TIER_OPS = frozenset({"welcome", "refused", "tier_jobs", "hb", "bye"})
 
 
@@ -416,6 +422,17 @@ class AttachKV(Message):
     # What proves the right to this registration (`Client.use_kv`); the worker keeps
     # it with the registration and names it again in its hello after a broker restart.
     token: str = ""
+
+
+@message("kv_detach")
+@dataclass(frozen=True, slots=True)
+class DetachKV(Message):
+    """Broker -> worker: the registration with this token ended (its client closed or
+    was ended), so the worker lets go of the engine's memory (shm mapping, CUDA IPC
+    handles) once the transfers in flight on it are done. Another token: ignored (a
+    newer registration replaced it)."""
+
+    token: str
 
 
 @message("kv_attached")
