@@ -59,6 +59,7 @@ from tierkv.wire.protocol import (
     TransferResult,
     Welcome,
     WorkerHello,
+    lost_job,
 )
 
 log = logging.getLogger("broker.core")
@@ -226,9 +227,8 @@ class BrokerCore:
         unknown = [j for j in wanted if j < self.first_job_id]
         if unknown:
             self._finished.setdefault(client, []).extend(
-                TransferResult(j, "unknown", False, ErrorCode.UNAVAILABLE.value,
-                               "not a job of this broker: the broker that issued it is gone, "
-                               "and its transfer may not have finished") for j in unknown)
+                lost_job(j, "not a job of this broker: the broker that issued it is gone")
+                for j in unknown)
 
     def _finished_all(self, client: bytes, wanted: set[int]) -> bool:
         done = {r.job_id for r in self._finished.get(client, ())}

@@ -10,7 +10,7 @@ Socket-free: `BrokerCore` hands it decoded requests and sends what it returns.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -47,11 +47,20 @@ class GroupFailed(Exception):
         self.code = code
 
 
-def check_fits(primary: Any, keys: list[OffloadKey]) -> None:
+def new_blocks(primary: Any, keys: Iterable[OffloadKey]) -> int:
+    """How many of these (distinct) keys the CPU tier does not hold yet."""
+    return sum(not primary.contains(k) for k in keys)
+
+
+def check_fits(primary: Any, keys: list[OffloadKey], new: int | None = None) -> None:
     """A group of more new blocks than the whole CPU tier has can never be stored,
     however much is evicted: `too_large`, so that the caller splits it rather than
-    retrying it as if the tier were only full right now (`refused`)."""
-    new = sum(not primary.contains(k) for k in dict.fromkeys(keys))
+    retrying it as if the tier were only full right now (`refused`). `new`: the
+    count, where the caller has it; a group no longer than the tier is never counted."""
+    if len(keys) <= primary.num_blocks:
+        return
+    if new is None:
+        new = new_blocks(primary, dict.fromkeys(keys))
     if new > primary.num_blocks:
         raise GroupFailed(ErrorCode.TOO_LARGE,
                           f"{new} new blocks in one group, more than the whole CPU tier "
@@ -260,8 +269,9 @@ class StepOps:
                 row = manager.primary.block_id(key)
                 reserved[start + where[key]] = -1 if row is None else row
             try:
-                check_fits(manager.primary, keys)
-                owners.check_room(owner, sum(not manager.primary.contains(k) for k in where))
+                new = new_blocks(manager.primary, where)
+                check_fits(manager.primary, keys, new)
+                owners.check_room(owner, new)
             except (GroupFailed, OwnerRefused) as e:
                 errors.append(OpError("reserve", i, e.code.value, str(e)))
                 continue

@@ -64,6 +64,7 @@ from tierkv.wire.protocol import (
     TransferResult,
     decode,
     encode,
+    lost_job,
     to_record,
 )
 from tierkv.wire.sockets import CurveClientKeys, connect, curve_client, ipc_path, make_socket
@@ -306,7 +307,8 @@ class Client:
             if self._broker_starts != starts:
                 # The jobs asked for were the old broker's: whatever finished of them
                 # was never said, so none may be read as done.
-                done.update(_lost_jobs(wanted - done.keys()))
+                done.update((j, lost_job(j, "the broker restarted while it ran"))
+                            for j in wanted - done.keys())
                 break
             for result in step.finished:
                 if result.job_id in wanted:
@@ -847,12 +849,6 @@ class _Answers:
             return Lookup(hits, state != 0, state == 2, statuses, sources)
         return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,
                       self.r.pin_s)
-
-
-def _lost_jobs(job_ids: set[int]) -> dict[int, JobResult]:
-    return {j: JobResult(j, "unknown", False, "unavailable",
-                         "the broker restarted: this job's transfer may not have finished")
-            for j in job_ids}
 
 
 def _ms_left(deadline: float) -> int:

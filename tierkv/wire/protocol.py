@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadEvent
 from tierkv.tiers.base import Job, JobResult
 from tierkv.wire.codec import (
@@ -260,6 +261,12 @@ class TransferResult:
     success: bool
     error_code: str = ""
     error: str = ""
+
+
+def lost_job(job_id: int, why: str) -> TransferResult:
+    """The result of a job a restarted broker cannot answer for: failed, for its
+    transfer may not have finished (its bytes must not be read)."""
+    return TransferResult(job_id, "unknown", False, ErrorCode.UNAVAILABLE.value, why)
 
 
 @dataclass(slots=True)  # built at every round trip: not frozen (note at the top)
