@@ -137,3 +137,20 @@ def test_a_commit_into_the_region_of_a_broker_that_is_gone_is_refused(node):
         assert client.lookup(ks).hits == 2
     finally:
         client.close()
+
+
+def test_an_oversized_region_in_a_commit_is_refused_before_any_work(node):
+    """A hostile peer's region string would be echoed once per refused commit group."""
+    config, _proc, _kv = node
+    client = Client.from_config(config)
+    try:
+        ks = keys(0, prefix=b"o")
+        reserve = client.reserve(ks)
+        with pytest.raises(RemoteError) as refused:
+            client.commit(ks, region="x" * 100_000)
+        assert refused.value.code == "bad_request" and "ops.region" in refused.value.message
+        assert len(refused.value.message) < 200
+        client.commit(ks, region=reserve.region)  # the reservation is untouched
+        assert client.lookup(ks).hits == 1
+    finally:
+        client.close()

@@ -203,6 +203,9 @@ class OpsRequest(Message):
             if len(values) > limit:
                 raise BadRequest(f"ops.{name}: {len(values)} items exceeds the limit "
                                  f"of {limit}")
+        if len(self.region) > MAX_REGION_LEN:  # a generation is "pid.start time"
+            raise BadRequest(f"ops.region: {len(self.region)} characters exceeds the limit "
+                             f"of {MAX_REGION_LEN}")
         for i, context in enumerate(self.contexts):
             context.check(f"ops.contexts[{i}]")
         check_blob(self.keys, self.key_len, self.key_lens, "ops.keys")
@@ -309,6 +312,7 @@ LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
 # past its heartbeat budget (a lookup of 131,072 keys takes well under 0.2 s): over
 # a limit, the message is refused before any work (`bad_request`, naming it).
 MAX_STEP_KEYS = 1 << 17  # keys in the blob
+MAX_REGION_LEN = 64  # `OpsRequest.region`: a `SharedRegion.generation`
 MAX_GROUPS = 1 << 14  # groups in one section (requests of one step)
 MAX_CONTEXTS = 1 << 12  # request contexts
 MAX_QUEUE_CHAINS = 1 << 12  # waiting requests in the `queue` section
