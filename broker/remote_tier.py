@@ -212,6 +212,9 @@ class RemoteTier(SecondaryTier):
     def on_stats(self, identity: bytes, stats: dict[str, Any]) -> None:
         if identity in self._peers:
             self._backend_stats[identity] = stats
+            capacity = stats.get("capacity_bytes")
+            if isinstance(capacity, int) and capacity >= 0:  # a disk tier grows as space frees
+                self.capacity_bytes = capacity
             retry_in = stats.get("breaker_retry_in_s")
             if stats.get("breaker") == "open" and isinstance(retry_in, (int, float)):
                 self._failing_until[identity] = self._clock() + min(float(retry_in), 3600.0)

@@ -101,7 +101,7 @@ def test_disk_fills_up_stores_fail_cleanly_and_the_node_serves_on(full_node, sma
     assert nut.node.pid("tier:disk:0") == tier_pid and nut.peer_ready("tier", "disk")
     (backend,) = nut.stats()["tiers"]["disk"]["backend"]
     assert backend["enospc_failures"] >= 1, backend
-    assert backend["usable_blocks"] < backend["capacity_blocks"], backend
+    assert backend["capacity_blocks"] < backend["budget_blocks"], backend
     assert result.checked_blocks > 0
 
 

@@ -70,6 +70,11 @@ from workers.disk.slabs import SlabFiles, SlabGrowthFailed, fsync_dir, probe_o_d
 
 log = logging.getLogger("tierkv.disk")
 
+# How often a tier that holds less than its budget (its filesystem had too little
+# room) asks it again for space, when a store finds the tier full: a statvfs is
+# cheap, but a store that evicts should not pay for one every time.
+GROW_RETRY_S = 5.0
+
 
 class DiskBackend(TierBackend):
     """Bounded, LRU by last use, durable, verified on every load.
@@ -139,7 +144,9 @@ class DiskBackend(TierBackend):
         self._index: LRUIndex[Entry] = LRUIndex(self._lock)
         self._free: list[int] = []
         self._fresh = 0  # slots from here on were never handed out (their slab may not exist)
-        self._usable = 0  # slots below this may be used: the budget, less what the disk refused
+        self._usable = 0  # slots below this may be used: the capacity, what of the budget fits
+        self.grow_retry_s = GROW_RETRY_S
+        self._grow_after = 0.0  # monotonic time before which no growth is tried
         self._readers: dict[int, int] = {}
         self._retired: set[int] = set()  # freed while read: released by the last reader
         self._seq = 0
@@ -228,17 +235,20 @@ class DiskBackend(TierBackend):
         found: dict[OffloadKey, Entry] = {}
         stale: list[int] = []
         on_disk = set(slabs.on_disk())
-        top = max(on_disk) + 1 if on_disk else 0
-        total = sum(slabs.slots_in(n) for n in on_disk)
+        top = max(on_disk) if on_disk else -1
+        total = sum(slabs.backed(n) for n in on_disk)
         scanned = 0
-        for n in range(top):
+        for n in range(top + 1):
             first = n * slabs.slots_per_slab
+            # A slab below the last one that is missing or short: its slots are
+            # free, and get their space when a store is written there.
+            if n not in on_disk or n < top and slabs.backed(n) < slabs.slots_in(n):
+                self._free.extend(range(first + slabs.backed(n), first + slabs.slots_in(n)))
             if n not in on_disk:
-                self._free.extend(range(first, first + slabs.slots_in(n)))
                 continue
             fd = slabs.get(n).fd
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead of payloads
-            for i in range(slabs.slots_in(n)):
+            for i in range(slabs.backed(n)):
                 read = self._read_slot_header(fd, first + i, i * slabs.slot_bytes)
                 if read is None:
                     self._free.append(first + i)
@@ -256,14 +266,35 @@ class DiskBackend(TierBackend):
         for key, kept in sorted(found.items(), key=lambda item: item[1].seq):
             self._index[key] = kept
         self._seq = max((e.seq for e in found.values()), default=0)
-        self._fresh = min(top * slabs.slots_per_slab, slabs.total_slots)
-        self._usable = slabs.total_slots
-        self._free.reverse()  # pop() hands out low slots first
+        self._fresh = slabs.backed_end()
+        self._usable = self._fitting()
+        self._free.sort(reverse=True)  # pop() hands out low slots first
         for slot in stale:
             self._release(slot)
-        log.info("disk tier %s: %d blocks in %d slots (%d free, capacity %d) in %.2fs",
-                 self.directory, len(self._index), scanned, len(self._free),
-                 slabs.total_slots, time.monotonic() - t0)
+        log.info("disk tier %s: %d blocks in %d slots (%d free, capacity %d of the budget's "
+                 "%d) in %.2fs", self.directory, len(self._index), scanned, len(self._free),
+                 self._usable, slabs.total_slots, time.monotonic() - t0)
+        if self._usable < slabs.total_slots:
+            self._say_what_fits()
+
+    def _fitting(self) -> int:
+        """Slots the tier can have now: those with their space, and as many more
+        as the filesystem has room for (less a headroom), within the budget."""
+        slabs = self._require()
+        room = slabs.room_slots()
+        if room is None:
+            return slabs.total_slots
+        return min(slabs.total_slots, slabs.backed_end() + room)
+
+    def _say_what_fits(self) -> None:
+        """One line at start for a budget the filesystem cannot hold: the tier
+        runs smaller, not empty, and an operator sees by how much."""
+        slabs = self._require()
+        log.warning("disk tier %s: only %d of the budget's %d slots fit on its "
+                    "filesystem (%.1f MiB of %.1f MiB); it grows as space frees",
+                    self.directory, self._usable, slabs.total_slots,
+                    self._usable * slabs.slot_bytes / 2**20,
+                    slabs.total_slots * slabs.slot_bytes / 2**20)
 
     def _read_slot_header(self, fd: int, slot: int, offset: int) -> tuple[bytes, Entry] | None:
         raw = os.pread(fd, HEADER_SIZE, offset)
@@ -305,6 +336,7 @@ class DiskBackend(TierBackend):
             else:
                 waiting.append(i)
         while waiting:
+            self._grow_when_full()
             todo: list[Item] = []
             later: list[int] = []
             with self._lock:
@@ -331,6 +363,7 @@ class DiskBackend(TierBackend):
         try:
             for run in self._run_io().runs(todo):
                 try:
+                    self._give_space(run)
                     fd = self._run_io().write(run, keys, srcs)
                     if self.sync_per == "store":
                         self.commit.commit(fd)
@@ -343,7 +376,7 @@ class DiskBackend(TierBackend):
                             e, f"store of {keys[item.at].hex()} failed")))
                 except TierError as e:
                     if isinstance(e, SlabGrowthFailed) and e.code is ErrorCode.NO_SPACE:
-                        self._stop_growing(e.slab)
+                        self._stop_growing(e.slab, e.backed)
                     for item in run:
                         errors[item.at] = self._counted(detached(e))
             finished = True
@@ -447,7 +480,10 @@ class DiskBackend(TierBackend):
             return list(self._index)
 
     def capacity(self) -> int | None:
-        return self._require().total_slots * self.block_bytes
+        """What the tier can hold now: its budget, or what of it fits on the
+        filesystem (it grows as space frees, and shrinks if the disk fills)."""
+        self._require()
+        return self._usable * self.block_bytes
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self._index.touch(keys)
@@ -462,8 +498,8 @@ class DiskBackend(TierBackend):
             counts = dict(self._counts)
         return {
             "blocks": blocks, "bytes_used": blocks * self.block_bytes,
-            "capacity_blocks": slabs.total_slots, "capacity_bytes": self.capacity(),
-            "usable_blocks": self._usable,
+            "capacity_blocks": self._usable, "capacity_bytes": self.capacity(),
+            "usable_blocks": self._usable, "budget_blocks": slabs.total_slots,
             "slot_bytes": self.slot_bytes, "o_direct": self.direct,
             "durable_writes": self.commit.writes, "fdatasyncs": self.commit.syncs,
             **counts,
@@ -503,18 +539,46 @@ class DiskBackend(TierBackend):
         self._index.put(key, entry)  # present again: no longer reported as evicted
         return current.slot if current is not None else None
 
-    def _stop_growing(self, slab: int) -> None:
-        """The disk is full: live within the slabs there are, so later stores evict
-        instead of failing on the same slab again (until the next start)."""
+    def _stop_growing(self, slab: int, backed: int) -> None:
+        """The disk is full: live within the space the slabs have, so later stores
+        evict instead of failing on the same slab again (until space frees:
+        `_grow_when_full`)."""
         with self._lock:
-            limit = slab * self._require().slots_per_slab
+            limit = slab * self._require().slots_per_slab + backed
+            self._grow_after = time.monotonic() + self.grow_retry_s
             if limit >= self._usable:
                 return
-            log.warning("disk full: the disk tier keeps %d slots of its budget's %d", limit,
-                        self._require().total_slots)
+            log.warning("disk full: the disk tier keeps %d slots of its budget's %d "
+                        "(it grows again as space frees)", limit, self._require().total_slots)
             self._usable = limit
             self._fresh = min(self._fresh, limit)
             self._free = [s for s in self._free if s < limit]
+
+    def _grow_when_full(self) -> None:
+        """A tier short of its budget, with no slot left but an eviction, asks the
+        filesystem for room again (at most every `grow_retry_s`): space that frees
+        becomes capacity without a restart. The space itself is taken when a store
+        is written there (`_give_space`)."""
+        with self._lock:
+            slabs = self._require()
+            if (self._free or self._fresh < self._usable or self._usable >= slabs.total_slots
+                    or time.monotonic() < self._grow_after):
+                return
+            self._grow_after = time.monotonic() + self.grow_retry_s
+        fits = self._fitting()  # a statvfs: not under the lock
+        with self._lock:
+            if fits <= self._usable:
+                return
+            self._usable = fits
+        log.info("disk tier %s: space freed, capacity now %d of the budget's %d slots",
+                 self.directory, fits, slabs.total_slots)
+
+    def _give_space(self, run: list[Item]) -> None:
+        """The run's slab has the space of its slots before a block is written
+        there (raises SlabGrowthFailed when the disk has none)."""
+        slabs = self._require()
+        n, _ = slabs.locate(run[-1].entry.slot)
+        slabs.ensure(n, run[-1].entry.slot - n * slabs.slots_per_slab + 1)
 
     def _counted(self, error: TierError) -> TierError:
         if error.code is ErrorCode.NO_SPACE:
@@ -558,7 +622,8 @@ class DiskBackend(TierBackend):
         it. Best effort: a header that survives is a valid block or fails to verify."""
         slabs = self._require()
         n, offset = slabs.locate(slot)
-        if slabs.path(n).exists():
+        # Only where the slab has its space: a write past it would grow the file.
+        if offset < slabs.backed(n) * slabs.slot_bytes and slabs.path(n).exists():
             try:
                 os.pwrite(slabs.get(n).fd, ZERO_HEADER, offset)
             except (OSError, TierError) as e:
