@@ -131,6 +131,15 @@ def test_stale_region_of_dead_owner_is_replaced(instance):
         assert region.layout.page_size == 8192
 
 
+def test_a_live_owner_is_refused_as_in_use_even_when_the_size_does_not_fit(instance):
+    # The live owner's region holds the name: that is the reason to give, not the
+    # free space a second creator of the same instance asks for.
+    with SharedRegion.create(instance, 1, 4096):
+        with pytest.raises(RegionInUseError, match="already running"):
+            SharedRegion.create(instance, 1 << 40, 1 << 20)
+        assert os.path.exists(f"/dev/shm{region_name(instance)}")
+
+
 def test_sweep_removes_only_dead_owners(instance):
     live = SharedRegion.create(instance + "live", 1, 4096)
     try:
@@ -185,8 +194,11 @@ def test_bad_layout_is_refused(instance, bad):
 
 
 def test_too_large_for_dev_shm(instance):
-    with pytest.raises(RegionError, match="does not fit"):
+    # 2**40 rows of 1 MiB, and the free space in the unit that shows it.
+    with pytest.raises(RegionError, match=r"region of 1073741824\.0 GiB does not fit: "
+                       r"/dev/shm has [0-9.]+ ([KMG]iB|bytes) free"):
         SharedRegion.create(instance, 1 << 40, 1 << 20)
+    assert not os.path.exists(f"/dev/shm{region_name(instance)}")
 
 
 def test_bad_instance_name():

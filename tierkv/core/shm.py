@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import posix_ipc
 
+from tierkv.core.units import format_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -139,22 +141,21 @@ class SharedRegion:
         node's first store ran at a tenth of the speed of the next ones)."""
         _check_instance(instance)
         layout = RegionLayout(num_blocks, page_size, world_size)
-        _check_free_shm(layout.total_size)
         name = region_name(instance)
+        # A dead owner's region (a broker killed before it could unlink) still holds
+        # its pages: unlink it before counting what is free, or the restart of a CPU
+        # tier larger than half of /dev/shm never fits in the room it fitted in before.
+        # (Its pages return once the last process that maps it lets go.)
+        remove_stale_region(instance)
+        if _region_exists(name):
+            raise _in_use(instance, name)
+        _check_free_shm(layout.total_size)
         try:
             shm = posix_ipc.SharedMemory(
                 name, posix_ipc.O_CREX, mode=0o600, size=layout.total_size
             )
-        except posix_ipc.ExistentialError:
-            remove_stale_region(instance)
-            try:
-                shm = posix_ipc.SharedMemory(
-                    name, posix_ipc.O_CREX, mode=0o600, size=layout.total_size
-                )
-            except posix_ipc.ExistentialError as e:
-                raise RegionInUseError(
-                    f"instance {instance!r} already running (shared memory {name} exists)"
-                ) from e
+        except posix_ipc.ExistentialError as e:  # another creator won the race
+            raise _in_use(instance, name) from e
         try:
             mm = mmap.mmap(shm.fd, layout.total_size)
         finally:
@@ -411,6 +412,21 @@ def _validate(
         raise mismatch("size", mapped, layout.total_size)
 
 
+def _region_exists(name: str) -> bool:
+    """Whether a segment of this name exists (opened, not created: nothing changes)."""
+    try:
+        posix_ipc.SharedMemory(name).close_fd()
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def _in_use(instance: str, name: str) -> RegionInUseError:
+    return RegionInUseError(
+        f"instance {instance!r} already running (shared memory {name} exists)"
+    )
+
+
 def remove_stale_region(instance: str) -> None:
     """Unlink the region of `instance` if its owner is dead; leave a live one alone."""
     name = region_name(instance)
@@ -459,6 +475,8 @@ def sweep_stale_regions(shm_dir: str = "/dev/shm") -> list[str]:
 
 
 def _check_free_shm(size: int, shm_dir: str = "/dev/shm") -> None:
+    """Refuse a segment larger than the free space now: tmpfs would SIGBUS at the
+    first touch of a page it has no room for, far from the cause."""
     try:
         st = os.statvfs(shm_dir)
     except OSError:
@@ -466,6 +484,6 @@ def _check_free_shm(size: int, shm_dir: str = "/dev/shm") -> None:
     free = st.f_bavail * st.f_frsize
     if size > free:
         raise RegionError(
-            f"region of {size / 2**30:.2f} GiB does not fit: {shm_dir} has "
-            f"{free / 2**30:.2f} GiB free (lower cpu.num_blocks or page_size)"
+            f"region of {format_bytes(size)} does not fit: {shm_dir} has "
+            f"{format_bytes(free)} free (lower cpu.num_blocks or page_size)"
         )

@@ -32,6 +32,7 @@ from typing import Any
 
 from tierkv.core.policies import known_policies
 from tierkv.core.shm import MAX_INSTANCE_LEN
+from tierkv.core.units import format_bytes  # re-exported: callers import it from here
 from tierkv.node.realtime import check_priority
 from tierkv.tiers.registry import TierOptionError, check_tier_entry
 from tierkv.wire.sockets import CurveClientKeys, is_loopback
@@ -418,14 +419,6 @@ def _check_budget(entry: dict[str, Any], block_bytes: int) -> str | None:
         return (f"must hold at least one block ({least} bytes = {format_bytes(least)}, "
                 f"from cpu.page_size x cpu.world_size), got {budget}")
     return None
-
-
-def format_bytes(n: int) -> str:
-    """A size in the unit that shows it: a 200 MiB /dev/shm is not "0.0 GiB"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def check_tiers_here(c: Config) -> None:
