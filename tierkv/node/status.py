@@ -121,6 +121,9 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
              str(p["restarts"]) if p["restarts"] is not None else "-"]
             for p in checked["processes"]]
     lines.append(_table(["process", "pid", "state", "uptime", "restarts"], rows))
+    lines += [f"  {p['process']} serves {p['endpoint']} (in memory: a restart loses its "
+              f"objects, and its tier processes are restarted with it)"
+              for p in checked["processes"] if p.get("endpoint")]
     if stats is not None:
         lines.append("")
         lines.append(_table(
@@ -148,6 +151,8 @@ def _processes(stats: dict[str, Any] | None, sup: dict[str, Any],
         rows[child["pid"]] = {"process": child["name"], "pid": child["pid"],
                               "state": checked["state"], "uptime_s": checked["uptime_s"],
                               "restarts": checked["restarts"], "source": "supervisor"}
+        if "endpoint" in child:  # the embedded S3 endpoint: where its tiers reach it
+            rows[child["pid"]]["endpoint"] = child["endpoint"]
     if stats is not None:
         broker_pid = next((c["pid"] for c in sup.get("children", []) if c["name"] == "broker"),
                           None)

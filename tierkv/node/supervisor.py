@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,19 @@ from typing import Any
 from tierkv.core.shm import process_start_time, region_name, remove_stale_region
 from tierkv.node.children import TOKEN_SECRET, ChildRegistry
 from tierkv.node.config import Config, ConfigError, dump_config, tier_name
+from tierkv.node.deaths import describe_exit, likely_cause
+from tierkv.node.embedded import (
+    EMBEDDED,
+    EMBEDDED_KEY_ENV,
+    EMBEDDED_SECRET_ENV,
+    ENDPOINT,
+    embedded_entry,
+    endpoint_child,
+    endpoint_env,
+    start_endpoint,
+    users,
+    wants_endpoint,
+)
 from tierkv.node.lifecycle import (
     Child,
     ChildFailed,
@@ -38,22 +50,11 @@ from tierkv.node.lifecycle import (
 )
 from tierkv.node.logs import NodeLog
 from tierkv.node.preflight import AlreadyRunning, InstanceClaim, check_here, check_no_live_region
+from tierkv.node.probe import BrokerProbe
+from tierkv.node.s3server import S3ServerError
 from tierkv.wire.sockets import RunDirError, ensure_run_dir, ipc_path
 
 log = logging.getLogger("tierkv.node.supervisor")
-
-EMBEDDED = "embedded"  # endpoint_url of an S3 tier served by a local moto endpoint
-EMBEDDED_KEY_ENV = "TIERKV_EMBEDDED_S3_KEY"  # its key pair, in the tier processes' env
-EMBEDDED_SECRET_ENV = "TIERKV_EMBEDDED_S3_SECRET"
-
-
-def _embedded_entry(entry: dict[str, Any], endpoint_url: str) -> dict[str, Any]:
-    """An embedded S3 tier's entry as its processes read it: the endpoint, and its
-    key pair by the variables that hold it (whatever credentials the entry named)."""
-    entry = {k: v for k, v in entry.items() if k not in ("session_token_env", "profile")}
-    return {**entry, "endpoint_url": endpoint_url, "create_bucket": True,
-            "access_key_id_env": EMBEDDED_KEY_ENV, "secret_access_key_env": EMBEDDED_SECRET_ENV}
-
 
 @dataclass(frozen=True)
 class ChildSpec:
@@ -136,22 +137,38 @@ class Node:
 
     def _child_config(self) -> Config:
         """The config the children read: an `endpoint_url = "embedded"` S3 tier gets
-        a local moto endpoint that this node starts and stops, which admits only the
-        node's own key pair: a new random one, in the tier processes' environment
-        (readable by this user only) under names the rewritten entry gives."""
-        if not any(t.get("endpoint_url") == EMBEDDED for t in self.config.tiers):
+        a local moto endpoint that this node starts, supervises (`ENDPOINT`) and
+        stops, which admits only the node's own key pair: a new random one, in the
+        tier processes' environment (readable by this user only) under names the
+        rewritten entry gives."""
+        if not wants_endpoint(self.config):
             return self.config
-        from tierkv.node.s3server import S3Server, new_keys
-
         if self.s3 is None:
-            keys = new_keys()
-            self.s3 = S3Server(ready_timeout_s=self.config.supervisor.ready_timeout_s,
-                               name="s3-endpoint", sink=self._sink(), keys=keys).start()
-            self._child_env.update({EMBEDDED_KEY_ENV: keys.access_key_id,
-                                    EMBEDDED_SECRET_ENV: keys.secret_access_key})
-        tiers = [_embedded_entry(t, self.s3.endpoint_url)
+            self._adopt_endpoint(start_endpoint(self.config, self._sink()))
+        tiers = [embedded_entry(t, self.s3.endpoint_url)
                  if t.get("endpoint_url") == EMBEDDED else t for t in self.config.tiers]
         return dataclasses.replace(self.config, tiers=tiers)
+
+    def restart_endpoint(self) -> Child:
+        """The embedded endpoint, started again after it died: same port and keys,
+        nothing of what it held. Raises S3ServerError when it does not start."""
+        self._adopt_endpoint(start_endpoint(self.config, self._sink(), previous=self.s3))
+        return self.children[ENDPOINT]
+
+    def _adopt_endpoint(self, server: Any) -> None:
+        self.s3 = server
+        self._child_env.update(endpoint_env(server))
+        child = endpoint_child(server)
+        self.children[ENDPOINT] = child
+        self.started[ENDPOINT] = (time.time(), process_start_time(child.pid) or 0)
+
+    @property
+    def endpoint_running(self) -> bool:
+        """False while the embedded endpoint is down (True for a node without one)."""
+        return self.s3 is None or self.s3.running
+
+    def endpoint_users(self) -> set[str]:
+        return users(self.config)
 
     def _start(self, specs: list[ChildSpec], timeout: float) -> None:
         started = [self.spawn(spec) for spec in specs]
@@ -188,7 +205,8 @@ class Node:
         for child in order:
             if child.name == "broker":
                 codes[child.name] = stop(child, timeout)
-        others = [c for c in order if c.name != "broker"]
+        # The embedded endpoint last: its tier processes may still be writing to it.
+        others = [c for c in order if c.name not in ("broker", ENDPOINT)]
         for child in others:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -198,7 +216,7 @@ class Node:
         self.children.clear()
         self.registry.clear()
         if self.s3 is not None:
-            self.s3.stop()
+            codes[ENDPOINT] = self.s3.stop()
             self.s3 = None
         self.cleanup()
         bad = {name: code for name, code in codes.items() if code not in (0, None)}
@@ -263,41 +281,6 @@ class Node:
         self.stop()
 
 
-class BrokerProbe(threading.Thread):
-    """Asks the broker for `stats` every `interval_s` on its own thread (a hung
-    broker must not stall the watch loop). Restarts only follow exits, and a hung
-    broker does not exit: clients would get `BrokerUnavailable` for as long as it
-    hangs. A broker counts as hung once it has answered and then misses `misses`
-    probes in a row; the pid that answered is reported, so a broker still starting
-    (prefaulting a large region) or already replaced is never the one killed."""
-
-    def __init__(self, config: Config, misses: int, interval_s: float) -> None:
-        super().__init__(name="broker-probe", daemon=True)
-        self.config = config
-        self.misses = misses
-        self.interval_s = interval_s
-        self.hung_pid: int | None = None
-        self._stop = threading.Event()
-
-    def run(self) -> None:
-        from tierkv.client import BrokerUnavailable, Client, RemoteError
-
-        answered: int | None = None
-        missed = 0
-        address, curve = self.config.connect_address("client"), self.config.client.curve_keys()
-        while not self._stop.wait(self.interval_s):
-            try:
-                with Client(address, timeout=self.interval_s, curve=curve) as client:
-                    answered, missed = int(client.stats()["pid"]), 0
-            except (BrokerUnavailable, RemoteError, OSError):
-                missed += 1
-                if answered is not None and missed >= self.misses:
-                    self.hung_pid, answered, missed = answered, None, 0
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 class Supervisor:
     """Runs a `Node` until SIGINT/SIGTERM: restarts a child that dies with capped
     exponential backoff (the broker re-admits it, a disk tier recovers its
@@ -316,6 +299,8 @@ class Supervisor:
         self._specs = {spec.name: spec for spec in node.specs()}
         self._backoff: dict[str, float] = {}
         self._due: dict[str, float] = {}  # name -> when to restart it
+        self._explained: set[int] = set()  # exit codes whose likely cause was said
+        self._asked_to_stop: dict[str, float] = {}  # name -> when to SIGKILL it
         probe = node.config.supervisor
         self.probe = (BrokerProbe(node.config, probe.broker_probe_misses, probe.broker_probe_s)
                       if probe.broker_probe_s > 0 else None)
@@ -377,32 +362,114 @@ class Supervisor:
     def watch(self) -> None:
         """One round: notice deaths, restart what is due."""
         now = time.monotonic()
+        self._kill_overdue_stops(now)
         changed = False
         for name, child in list(self.node.children.items()):
             code = child.proc.poll()
             if code is None or name in self._due:
                 continue
-            uptime = now - child.started_at
-            base = self.config.supervisor.restart_backoff_s
-            last = self._backoff.get(name, 0.0)
-            delay = base if uptime > self.STABLE_S or not last else min(
-                last * 2, self.config.supervisor.restart_backoff_max_s)
-            self._backoff[name] = delay
-            self._due[name] = now + delay
-            log.warning("%s (pid %d) exited with code %s after %.1fs; restarting in %.1fs; "
-                        "its last lines:\n%s", name, child.pid, code, uptime, delay,
-                        child.tail(10))
-            child.close_fds()
+            self._died(name, child, code, now)
             changed = True
-        for name, when in list(self._due.items()):
-            if now >= when:
-                del self._due[name]
-                child = self.node.spawn(self._specs[name])
-                self.node.restarts[name] = self.node.restarts.get(name, 0) + 1
-                log.info("restarted %s (pid %d)", name, child.pid)
-                changed = True
+        changed = self._restart_due(now) or changed
         if changed:
             self._write_status()
+
+    def _died(self, name: str, child: Child, code: int, now: float) -> None:
+        """Schedule the restart of a child that exited, and say why it will wait."""
+        uptime = now - child.started_at
+        if self._asked_to_stop.pop(name, None) is not None:
+            delay = self.config.supervisor.restart_backoff_s  # no fault of its own
+            log.info("%s (pid %d) %s as asked after %.1fs; restarting it in %.1fs, once the "
+                     "S3 endpoint answers", name, child.pid, describe_exit(code), uptime, delay)
+        else:
+            delay = self._next_delay(name, uptime)
+            log.warning("%s (pid %d) %s after %.1fs; restarting in %.1fs; its last lines:\n%s",
+                        name, child.pid, describe_exit(code), uptime, delay, child.tail(10))
+            self._explain(code)
+        self._due[name] = now + delay
+        child.close_fds()
+        if name == ENDPOINT:
+            self._stop_endpoint_users(now)
+
+    def _next_delay(self, name: str, uptime: float) -> float:
+        """The first delay for a child that had been up a while, else twice the last
+        one, up to the configured maximum: a child that keeps dying is no tight loop."""
+        sup = self.config.supervisor
+        last = self._backoff.get(name, 0.0)
+        delay = (sup.restart_backoff_s if uptime > self.STABLE_S or not last
+                 else min(last * 2, sup.restart_backoff_max_s))
+        self._backoff[name] = delay
+        return delay
+
+    def _stop_endpoint_users(self, now: float) -> None:
+        """The embedded endpoint died with every object it held: its tier processes
+        go too (SIGTERM), so that the broker drops the blocks they reported, and come
+        back after it with its new, empty inventory."""
+        deadline = now + self.config.supervisor.stop_timeout_s
+        for name in sorted(self.node.endpoint_users()):
+            child = self.node.children.get(name)
+            if child is None or child.proc.poll() is not None:
+                continue  # already dead: restarted as any death
+            log.warning("stopping %s (pid %d) to restart it: the S3 endpoint it stores in lost "
+                        "every object it held", name, child.pid)
+            child.proc.send_signal(signal.SIGTERM)
+            self._asked_to_stop[name] = deadline
+
+    def _kill_overdue_stops(self, now: float) -> None:
+        """SIGKILL a child asked to stop that is still running `stop_timeout_s` later
+        (once: its exit is then noticed as any other)."""
+        for name, deadline in list(self._asked_to_stop.items()):
+            child = self.node.children.get(name)
+            if now < deadline or child is None:
+                continue
+            self._asked_to_stop[name] = float("inf")
+            if child.proc.poll() is None:
+                log.warning("%s (pid %d) ignored SIGTERM for %.0fs (stop_timeout_s): killing "
+                            "it", name, child.pid, self.config.supervisor.stop_timeout_s)
+                child.proc.kill()
+
+    def _restart_due(self, now: float) -> bool:
+        """Restart each child whose delay has passed; the embedded endpoint before
+        the tier processes that use it, which wait while it is down. True if any
+        was restarted."""
+        changed = False
+        waiting_for_endpoint = self.node.endpoint_users()
+        for name in sorted(self._due, key=lambda n: n != ENDPOINT):
+            if now < self._due[name] or (name in waiting_for_endpoint
+                                         and not self.node.endpoint_running):
+                continue
+            try:
+                child = self._restart(name)
+            except S3ServerError as e:
+                delay = self._next_delay(name, 0.0)
+                self._due[name] = time.monotonic() + delay
+                log.warning("%s did not start again: %s; next try in %.1fs", name, e, delay)
+                continue
+            del self._due[name]
+            self.node.restarts[name] = self.node.restarts.get(name, 0) + 1
+            log.info("restarted %s (pid %d)", name, child.pid)
+            changed = True
+        return changed
+
+    def _restart(self, name: str) -> Child:
+        if name == ENDPOINT:
+            return self.node.restart_endpoint()
+        return self.node.spawn(self._specs[name])
+
+    def _explain(self, code: int) -> None:
+        """Say the likely cause of a death by this signal, once per run: a child in a
+        loop of the same death would repeat it at every restart."""
+        cause = likely_cause(code, self.config.cpu.prefault)
+        if cause is not None and code not in self._explained:
+            self._explained.add(code)
+            log.warning("%s", cause)
+
+    def _serves(self, name: str) -> dict[str, str]:
+        """What a child serves that a reader of the status needs: the URL of the
+        embedded S3 endpoint (its port stays the same across restarts)."""
+        if name == ENDPOINT and self.node.s3 is not None:
+            return {"endpoint": self.node.s3.endpoint_url}
+        return {}
 
     def _write_status(self) -> None:
         """Start times, not durations, and each pid's start time in clock ticks: a
@@ -415,7 +482,8 @@ class Supervisor:
             code = c.proc.poll()
             children.append({"name": c.name, "pid": c.pid, "start_time": ticks,
                              "started": started, "alive": code is None, "exit_code": code,
-                             "restarts": self.node.restarts.get(c.name, 0)})
+                             "restarts": self.node.restarts.get(c.name, 0),
+                             **self._serves(c.name)})
         started, ticks = self.started
         tmp = self.status_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({
@@ -425,4 +493,5 @@ class Supervisor:
         tmp.replace(self.status_path)
 
 
-__all__ = ["ChildFailed", "ChildSpec", "Node", "Supervisor"]
+__all__ = ["EMBEDDED", "EMBEDDED_KEY_ENV", "EMBEDDED_SECRET_ENV", "ENDPOINT", "ChildFailed",
+           "ChildSpec", "Node", "Supervisor"]
