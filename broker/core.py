@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.events import EventRouter
+from broker.events import EventRouter, tiers_hold
 from broker.ops import GroupFailed, StepOps, check_fits
 from broker.owners import Owner, OwnerTable
 from broker.peers import Peer, PeerState, PeerTable, fence, gone
@@ -140,7 +140,8 @@ class BrokerCore:
         self._waiting: list[_Wait] = []  # `ops` requests waiting for jobs to finish
         self._outcomes: list[tuple[int, TransferOutcome]] = []  # applied at the next step
         self._finished: dict[bytes, list[TransferResult]] = {}
-        self.events = EventRouter(publish)
+        # A key's owner is kept while a tier holds the key, not longer.
+        self.events = EventRouter(publish, holds=tiers_hold(manager))
         self._warn = RateLimitedLog(log)  # what a peer can make the broker say, bounded
         # Peers that went silent and could not be fenced, and what their jobs hold.
         self._quarantine: dict[bytes, Peer] = {}
@@ -210,7 +211,8 @@ class BrokerCore:
     def _answer(self, client: bytes, request_id: int, out: dict[str, Any]) -> None:
         if "finished" in out:
             out["finished"] = self._finished.pop(client, [])
-            out["events"] = self.events.take(client)
+            out["events"] = self.events.take(client)  # bounded: the rest at the next step
+            out["events_dropped"] = self.events.take_dropped(client)
         self._reply(client, request_id, True, result=OpsResult(**out))
 
     def _reply(self, client: bytes, request_id: int, ok: bool, result: Any = None,
@@ -586,7 +588,7 @@ class BrokerCore:
             self.manager.finish_all(owner.prefix)
             self.step_ops.forget(owner.prefix)
         self._finished.pop(owner.identity, None)
-        self.events.take(owner.identity)
+        self.events.forget(owner.identity)
         self._waiting = [w for w in self._waiting if w.client != owner.identity]
         for rank, token in self.registrations.drop_client(owner.identity):
             peer = self._workers.get(rank)
@@ -726,6 +728,7 @@ class BrokerCore:
             "uptime_s": now - self.started_at,
             "broker": dict(self.counters),
             "owners": self.owners.stats(),
+            "events": self.events.stats(),
             "transfers_in_flight": len(self.transfers),
             "quarantined_peers": [p.label() for p in self._quarantine.values()],
             "peers": [

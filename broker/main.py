@@ -23,6 +23,7 @@ import zmq
 from broker.core import BrokerCore, RunState
 from broker.metrics import BrokerMetrics
 from broker.remote_tier import RemoteTier
+from tierkv.core.costs import prior_for
 from tierkv.core.keys import OffloadEvent
 from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.primary import PrimaryTier
@@ -106,8 +107,12 @@ class BrokerProc:
                 )
                 for entry in config.tiers
             }
+            priors = [prior_for(entry["type"], float(entry.get("load_latency_ms", 0.0)),
+                                float(entry.get("load_bandwidth_mb_s", 0.0)))
+                      for entry in config.tiers]
             manager = TieringManager(primary, list(self.remote.values()),
                                      lease_s=config.broker.lease_s, region=self.region,
+                                     cost_priors=priors,
                                      max_cascade_backlog=cpu.cascade_backlog_blocks
                                      or max(64, cpu.num_blocks // 4))
             self.core = BrokerCore(config, manager, self.remote, self._send, clock,

@@ -115,4 +115,15 @@ class BrokerMetrics(Collector):
                     [([n], t.get("blocks", 0)) for n, t in tiers.items()])
         yield counter("promotions", "Promotions by outcome.", ["outcome"],
                       [([o], tiering[f"promotions_{o}"])
-                       for o in ("started", "landed", "failed", "refused")])
+                       for o in ("started", "landed", "failed", "refused", "overrun")])
+        yield counter("slower_than_recompute_blocks", "Blocks a tier held that lookups left "
+                      "to recompute: loading them was expected to take longer.", ["tier"],
+                      [([n], t.get("slower_than_recompute", 0)) for n, t in tiers.items()])
+        yield counter("background_promotion_blocks", "Blocks promoted while their tier was "
+                      "idle, after a request had recomputed them.", [],
+                      [([], tiering.get("background_promotions", 0))])
+        costs = [(n, t["load_cost"]) for n, t in tiers.items() if "load_cost" in t]
+        yield gauge("load_latency_seconds", "A tier's promotion latency, as estimated.",
+                    ["tier"], [([n], c["latency_ms"] / 1e3) for n, c in costs])
+        yield gauge("load_bandwidth_bytes", "A tier's promotion bandwidth in bytes/s, as "
+                    "estimated.", ["tier"], [([n], c["bandwidth_mb_s"] * 1e6) for n, c in costs])

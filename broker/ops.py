@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from broker.owners import Owner, OwnerRefused
+from tierkv.core.costs import Recompute, recompute_for
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
 from tierkv.core.policies.hints import RequestHints, hints_from_kv_hints
@@ -146,7 +147,7 @@ class StepOps:
             self._remember(req_id, context, hints)
         if "lookup" in sections:
             self._lookup(owner, sections["lookup"], msg.lookup_status, msg.lookup_modes,
-                         msg.lookup_pin, out)
+                         msg.lookup_pin, out, recompute_for(msg.prefill_tps, msg.key_tokens))
         if "pin" in sections:
             self._pin(owner, sections["pin"], out, each)
         if "load" in sections:
@@ -175,9 +176,11 @@ class StepOps:
             del self.contexts[next(iter(self.contexts))]
 
     def _lookup(self, owner: Owner, groups: _Groups, per_key: bool, modes: bytes, pin: bool,
-                out: dict[str, Any]) -> None:
+                out: dict[str, Any], recompute: Recompute | None) -> None:
         """Each group a leading run, or (`per_key`, or its byte of `modes`) each key on
-        its own; statuses and sources come back for every key when any group asked."""
+        its own; statuses and sources come back for every key when any group asked.
+        `recompute`: what the engine said recomputing costs it (a request's context
+        may give its own budget), for the load-or-recompute rule."""
         manager = self.core.manager
         hits: list[int] = []
         state: list[int] = []
@@ -187,26 +190,37 @@ class StepOps:
         contexts = self.contexts
         tier_index = {t.name: i + 1 for i, t in enumerate(manager.tiers)}
         statuses_wanted = per_key or any(modes)
+        slower: list[tuple[int, ...]] = []
         for i, req_id, keys in groups:
             known = contexts.get(req_id) if contexts and req_id is not None else None
             allowed, hints = (known[0].tiers, known[1]) if known is not None else (None, None)
+            cost = recompute
+            if known is not None and known[0].load_budget_s is not None:
+                cost = Recompute(recompute.seconds_per_key if recompute else 0.0,
+                                 known[0].load_budget_s)
             status: list[int] | None = None
             if modes[i] if modes else per_key:
-                found, status = manager.lookup_keys(keys, req_id, allowed, hints)
+                found, status = manager.lookup_keys(keys, req_id, allowed, hints, cost)
                 statuses.extend(status)
                 sources.extend(tier_index.get(manager.source_of(k) or "", 0) if st == HIT
                                else 0 for k, st in zip(keys, status, strict=True))
             else:
-                found = manager.lookup(keys, req_id, allowed, hints)
+                found = manager.lookup(keys, req_id, allowed, hints, cost)
                 if statuses_wanted:  # a place for its keys in the arrays, never read
                     statuses.extend([HIT] * found.hits + [0] * (len(keys) - found.hits))
                     sources.extend([0] * len(keys))
             hits.append(found.hits)
             state.append(2 if found.retry else 1 if found.pending else 0)
+            slower.append(found.slower)
             if pin:
                 rows.extend(self._pin_hits(owner, keys, req_id, found.hits, status))
         out["hits"] = np.asarray(hits, np.int32).tobytes()
         out["state"] = bytes(state)
+        if any(slower):
+            width = len(manager.tiers)
+            out["slower"] = np.asarray([c or (0,) * width for c in slower],
+                                       np.int32).tobytes()
+            out["tiers"] = [t.name for t in manager.tiers]
         if statuses_wanted:
             out["status"] = bytes(statuses)
             out["sources"] = bytes(sources)

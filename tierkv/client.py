@@ -32,6 +32,7 @@ write a reserved row, then `commit` it; read a pinned row, then `release` it.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import secrets
 import threading
@@ -50,6 +51,7 @@ from tierkv.wire.keyblob import pack_counts, pack_keys, unpack_ints, unpack_keys
 from tierkv.wire.protocol import (
     KEY_SECTIONS,
     LOOKUP_STATUSES,
+    MAX_KEY_TOKENS,
     Bye,
     Heartbeat,
     KeyGroups,
@@ -86,10 +88,13 @@ class Lookup:
     rows: list[int] | None = None  # per key, when pinned: the hit's CPU block id, else -1
     region: str = ""  # when pinned: the CPU region the rows name (`SharedRegion.generation`)
     pin_s: float = 0.0  # when pinned: how long the broker holds the pins (`broker.pin_s`)
+    # Per tier: leading keys it holds that were not promoted, loading them being
+    # expected to take longer than recomputing them (see `Client.recompute_rate`).
+    slower: dict[str, int] | None = None
 
     def __repr__(self) -> str:
         extra = "".join(f", {name}={getattr(self, name)!r}"
-                        for name in ("retry", "statuses", "sources", "rows")
+                        for name in ("retry", "statuses", "sources", "rows", "slower")
                         if getattr(self, name))
         return f"Lookup(hits={self.hits}, pending={self.pending}{extra})"
 
@@ -125,6 +130,10 @@ class Step:
     finished: list[JobResult]
     events: list[OffloadEvent]
     step: int = 0
+    # Keys of this client's events the broker dropped since the last step or poll
+    # (a client that steps seldom: its queue is bounded, the oldest go first). Not 0:
+    # `events` has holes, and a view of the tiers built from them is incomplete.
+    events_dropped: int = 0
 
 
 # The names DESIGN's public API used before protocol v2.
@@ -195,6 +204,7 @@ class Client:
         self._closed = threading.Event()
         self._held: list[JobResult] = []  # finished while `wait` looked for others
         self._held_events: list[OffloadEvent] = []
+        self._held_dropped = 0  # `Step.events_dropped` read by `wait`, for the next step
         # The broker's CPU region as its last reply named it: a new one means a new
         # broker, which knows nothing of the old one's jobs (see `_saw_region`).
         self._region = ""
@@ -204,6 +214,9 @@ class Client:
         # rank -> the token of its KV registration: ours (kept to replace it, also
         # across reconnects), or another client's given by `use_kv`.
         self.registration_tokens: dict[int, str] = {}
+        # What recomputing costs this engine, sent with its lookups (`recompute_rate`).
+        self.prefill_tps = 0.0
+        self.key_tokens = 0
         self._connect()
 
     @classmethod
@@ -214,6 +227,19 @@ class Client:
                    curve=config.client.curve_keys(),
                    ping_s=ping_interval(config.broker.owner_timeout_s),
                    realtime_priority=config.client.realtime_priority)
+
+    def recompute_rate(self, tokens_per_s: float, tokens_per_key: int) -> None:
+        """Say what recomputing costs this engine: its prefill rate and the tokens one
+        key covers. From then on a lookup promotes from a secondary tier only what is
+        expected to arrive sooner than the engine could recompute it, and waits for
+        it at most about that long (`Lookup.slower` counts what it skipped). A
+        request may set its own bound instead (`RequestContext.load_budget_s`).
+        `tokens_per_s` 0: every promotion is worth it (the default)."""
+        if not 0 <= tokens_per_s < math.inf:
+            raise ValueError(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
+        if not 0 < tokens_per_key <= MAX_KEY_TOKENS:
+            raise ValueError(f"tokens_per_key must be 1..{MAX_KEY_TOKENS}, got {tokens_per_key}")
+        self.prefill_tps, self.key_tokens = float(tokens_per_s), int(tokens_per_key)
 
     def use_kv(self, tokens: dict[int, str]) -> None:
         """Store from and load into KV caches another client registered: the tokens
@@ -316,6 +342,7 @@ class Client:
                 else:
                     self._held.append(result)
             self._held_events.extend(step.events)
+            self._held_dropped += step.events_dropped
         return done
 
     def stats(self, verify: bool = False) -> dict[str, Any]:
@@ -402,15 +429,17 @@ class Client:
         if self._region:
             self._held.clear()
             self._held_events.clear()
+            self._held_dropped = 0
             self._broker_starts += 1
         self._region = region
 
     def _with_held(self, step: Step) -> Step:
-        if not self._held and not self._held_events:
+        if not self._held and not self._held_events and not self._held_dropped:
             return step
         finished, self._held = self._held + step.finished, []
         events, self._held_events = self._held_events + step.events, []
-        return Step(finished, events, step.step)
+        dropped, self._held_dropped = self._held_dropped + step.events_dropped, 0
+        return Step(finished, events, step.step, dropped)
 
     def _connect(self) -> None:
         self._drop_socket()
@@ -700,6 +729,9 @@ class Batch:
         modes = [bool(e) for e in lookups.extra] if lookups is not None else []
         if any(modes) and not all(modes):  # some groups per key, others a leading run
             fields["lookup_modes"] = bytes(modes)
+        if lookups is not None and self._client.prefill_tps:
+            fields["prefill_tps"] = self._client.prefill_tps
+            fields["key_tokens"] = self._client.key_tokens
         return OpsRequest(request_id, blob, width, lens, finish=self._finish,
                           contexts=self._contexts, lookup_status=self._status,
                           lookup_pin=bool(self._pin),
@@ -782,7 +814,7 @@ class _Answers:
         section = self.batch._sections["lookup"]
         hits = self._array("hits", "i")
         state = self._array("state", "B")
-        if not any(section.extra) and not self.batch._pin:
+        if not any(section.extra) and not self.batch._pin and not self.r.slower:
             return [Lookup(h, s != 0, s == 2) for h, s in zip(hits, state, strict=True)]
         return [self._lookup(i, section) for i in range(len(hits))]
 
@@ -830,7 +862,7 @@ class _Answers:
         if name == "load":
             return Load(self._array("load_jobs", "q")[index], self.r.load_sources[index])
         if name == "step":
-            return Step(self.r.finished, self.r.events, self.r.step)
+            return Step(self.r.finished, self.r.events, self.r.step, self.r.events_dropped)
         return None  # commit, release, touch, finish, queue
 
     def _lookup(self, index: int, section: _Section | None) -> Lookup:
@@ -845,10 +877,16 @@ class _Answers:
         if self.batch._pin:
             a, b = self._span("lookup", index)
             rows = self._array("rows", "i")[a:b]
+        slower = self._slower(index) if self.r.slower else None
         if rows is None:
-            return Lookup(hits, state != 0, state == 2, statuses, sources)
+            return Lookup(hits, state != 0, state == 2, statuses, sources, slower=slower)
         return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,
-                      self.r.pin_s)
+                      self.r.pin_s, slower)
+
+    def _slower(self, index: int) -> dict[str, int] | None:
+        tiers = self.r.tiers
+        counts = self._array("slower", "i")[index * len(tiers):(index + 1) * len(tiers)]
+        return {t: n for t, n in zip(tiers, counts, strict=True) if n} or None
 
 
 def _ms_left(deadline: float) -> int:

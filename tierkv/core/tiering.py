@@ -21,6 +21,14 @@ keep data safe"):
   request, and the blocks promoted for one, stay protected (a reader) until the
   request loads them, finishes, or `lease_s` passes since it last asked, so
   another request (or engine) cannot evict them between the lookup and the load.
+* **Load or recompute** (`tierkv.core.costs`): when the engine says what
+  recomputing costs it, a lookup promotes only the part of its leading run whose
+  expected arrival (each tier's measured line, its queue, a stall in progress) beats
+  recomputing it; the rest is a miss for this request now, counted per tier
+  (`slower_than_recompute`). A request waits for its promotions at most about their
+  recompute time: past it, the lookup answers without them (`promotions_overrun`),
+  and they land for later requests. What was skipped is promoted in the background
+  while its tier has nothing else to do, a few blocks at a time.
 * **Failed promotions** make the key a miss in that tier, never an endless retry:
   until it is stored again when the tier lost it (not found, corrupt), and for a
   back-off otherwise (a dead process, a timeout, an endpoint down: the key may be
@@ -43,6 +51,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv.core.costs import Recompute, TierCosts, best_split, prior_for
 from tierkv.core.errors import LOST
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.leases import Leases
@@ -55,6 +64,11 @@ log = logging.getLogger("tierkv.core.tiering")
 QUEUE_PREFETCH = 8  # waiting requests whose missing blocks are promoted ahead of time
 PROMOTION_BACKOFF_S = 1.0  # a key whose promotion failed (not lost) waits this long first
 PROMOTION_BACKOFF_MAX_S = 60.0  # and at most this long, while its tier keeps failing
+# Keys skipped as slower than recomputing, remembered per node for the background
+# promotions, and the most blocks one background job of a tier brings.
+SKIPPED_KEY_MEMORY = 4096
+BACKGROUND_JOB_BLOCKS = 64
+WAIT_MEMORY = 1 << 16  # requests whose promotion wait is bounded, remembered at most
 
 ReqId = str | None
 
@@ -64,6 +78,9 @@ class Lookup:
     hits: int  # leading keys ready in the CPU tier
     pending: bool  # ask again next step: some scanned key is on its way (or see retry)
     retry: bool = False  # nothing could start now (no CPU room, existence unknown)
+    # Per tier (by index), leading keys it holds that were not promoted: loading them
+    # was expected to take longer than recomputing them. Empty: none.
+    slower: tuple[int, ...] = ()
 
 
 # Per-key statuses of `TieringManager.lookup_keys` (also the wire's).
@@ -90,6 +107,8 @@ class TieringManager:
         promotion_backoff_s: float = PROMOTION_BACKOFF_S,
         promotion_backoff_max_s: float = PROMOTION_BACKOFF_MAX_S,
         clock: Callable[[], float] = time.monotonic,
+        block_bytes: int = 0,
+        cost_priors: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -133,18 +152,36 @@ class TieringManager:
         # key -> the tier a promotion brought it from, until its first load: what an
         # engine did not recompute is counted once, by the tier it came from.
         self._origin: dict[OffloadKey, int] = {}
+        # The load-or-recompute rule: a line per tier, fitted from its promotions, in
+        # bytes (a region's row when the size is not given: one unit per block).
+        self.block_bytes = block_bytes or (region.layout.page_size * region.layout.world_size
+                                           if region is not None else 1)
+        if cost_priors is None:
+            cost_priors = [prior_for(getattr(t, "type", "") or getattr(
+                getattr(t, "backend", None), "type_name", "")) for t in self.tiers]
+        if len(cost_priors) != len(self.tiers):
+            raise ValueError(f"{len(cost_priors)} cost priors for {len(self.tiers)} tiers")
+        self.costs = [TierCosts(*prior) for prior in cost_priors]
+        self._job_of: dict[OffloadKey, int] = {}  # promoted key -> its job, once sent
+        self._wait_until: OrderedDict[str, float] = OrderedDict()  # request -> its bound
+        self._skipped: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in self.tiers]
+        self._slower: dict[str, int] = dict.fromkeys(names, 0)
+        for name in ("slower_than_recompute", "promotions_overrun", "background_promotions"):
+            self._counters[name] = 0
 
     # -- the scheduler-facing operations --------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
                tiers: Container[str] | None = None,
-               hints: RequestHints | None = None) -> Lookup:
+               hints: RequestHints | None = None,
+               recompute: Recompute | None = None) -> Lookup:
         """How many leading keys are CPU hits, and whether to ask again: keys after
         the hits are scanned up to the first one no tier holds, and each a tier
         holds starts a promotion. The hits are leased to `req_id` (if given) until
         it loads them, finishes, or `lease_s` passes. `tiers`: the secondary tiers
         this request may be served from (None: all); `hints`: what the engine says
-        of the request (advice for the policy)."""
+        of the request (advice for the policy); `recompute`: what recomputing costs
+        it (None: every promotion is worth it)."""
         if not self._polled:
             self._poll_once()
         keys = keys if isinstance(keys, list) else list(keys)
@@ -154,15 +191,20 @@ class TieringManager:
         if hits and req_id is not None:
             self.leases.lease(req_id, keys[:hits])
         pending = retry = False
+        slower: tuple[int, ...] = ()
         if hits < len(keys) and (self.tiers or self.primary.contains(keys[hits])):
-            pending, retry = self._scan(keys, hits, req_id, tiers, None)
+            if recompute is None:
+                pending, retry = self._scan(keys, hits, req_id, tiers, None)
+            else:
+                pending, retry, slower = self._weigh(keys, hits, req_id, tiers, recompute)
         if pending or retry:
             self._counters["lookups_pending"] += 1
-        return Lookup(hits, pending or retry, retry)
+        return Lookup(hits, pending or retry, retry, slower)
 
     def lookup_keys(self, keys: Sequence[OffloadKey], req_id: ReqId = None,
                     tiers: Container[str] | None = None,
-                    hints: RequestHints | None = None) -> tuple[Lookup, list[int]]:
+                    hints: RequestHints | None = None,
+                    recompute: Recompute | None = None) -> tuple[Lookup, list[int]]:
         """`lookup` with a status per key (MISS, HIT, PENDING, RETRY), each key on
         its own: for engines whose layers do not need a leading run (sliding window,
         hybrid models). Every key a tier holds starts a promotion; CPU hits are
@@ -177,7 +219,7 @@ class TieringManager:
         if hit_keys and req_id is not None:
             self.leases.lease(req_id, hit_keys)
         hits = self.primary.lookup(keys)
-        pending, retry = self._scan(keys, 0, req_id, tiers, status)
+        pending, retry = self._scan(keys, 0, req_id, tiers, status, recompute)
         return Lookup(hits, pending or retry, retry), status
 
     def source_of(self, key: OffloadKey) -> str | None:
@@ -186,14 +228,104 @@ class TieringManager:
         tier = self._origin.get(key)
         return None if tier is None else self.tiers[tier].name
 
+    def _weigh(self, keys: list[OffloadKey], start: int, req_id: ReqId,
+               allowed: Container[str] | None,
+               recompute: Recompute) -> tuple[bool, bool, tuple[int, ...]]:
+        """`_scan` of a leading run for a request that says what recomputing costs it:
+        only the prefix of the run that beats recomputing is promoted (`best_split`),
+        and the request waits for it at most its bound. Returns (pending, retry, keys
+        skipped per tier)."""
+        primary, bb, now = self.primary, self.block_bytes, self.clock()
+        counts = [0] * len(self.tiers)
+        run: list[tuple[OffloadKey, int]] = []  # (key, the tier to promote it from, or -1)
+        arrivals: list[float] = []
+        unknown = False
+        for key in keys[start:]:
+            if primary.contains(key):
+                run.append((key, -1))
+                arrivals.append(0.0 if primary.is_ready(key) else self._arrival(key, now))
+                continue
+            holder, unknown = self._find_holder(key, allowed)
+            if holder is None:
+                break
+            counts[holder] += 1
+            run.append((key, holder))
+            arrivals.append(self.costs[holder].eta(counts[holder] * bb, now))
+        m, _ = best_split(arrivals, recompute)
+        slower = self._skip(run[m:])
+        retry = unknown and m == len(run)  # the run may go on: ask again after the check
+        pending = False
+        waited = 0
+        for i, (key, holder) in enumerate(run[:m]):
+            if holder < 0:
+                if not primary.is_ready(key):
+                    pending, waited = True, waited + 1
+                continue
+            if not self._start_promotion(key, holder, req_id, keys):
+                retry = True  # no CPU room now (see `_scan`)
+                break
+            pending, waited = True, waited + 1
+        if req_id is None:
+            return pending, retry, slower
+        if not pending:
+            if self._wait_until.pop(req_id, None) is not None:
+                # It waited, and now computes: what is still on its way overran.
+                self._counters["promotions_overrun"] += sum(
+                    1 for key, holder in run if holder < 0 and not primary.is_ready(key))
+            return False, retry, slower
+        until = self._wait_until.get(req_id)
+        if until is None:
+            self._wait_until[req_id] = now + recompute.wait_bound(waited)
+            while len(self._wait_until) > WAIT_MEMORY:
+                self._wait_until.popitem(last=False)
+        elif now > until:  # past its bound: it computes, the promotions land for others
+            self._counters["promotions_overrun"] += waited
+            return False, False, slower
+        return pending, retry, slower
+
+    def _arrival(self, key: OffloadKey, now: float) -> float:
+        """Expected seconds until a key in the CPU tier but not readable is: its
+        promotion's remaining time, or none for a block an engine is storing."""
+        tier = self._promoting.get(key)
+        if tier is None:
+            return 0.0
+        job = self._job_of.get(key)
+        costs = self.costs[tier]
+        return costs.eta(self.block_bytes, now) if job is None else costs.remaining(job, now)
+
+    def _skip(self, run: Sequence[tuple[OffloadKey, int]]) -> tuple[int, ...]:
+        """Keys of a run left to recompute: counted per tier, and remembered for the
+        background promotions. Returns the counts (empty: none skipped)."""
+        counts = [0] * len(self.tiers)
+        for key, holder in run:
+            if holder < 0:
+                continue
+            counts[holder] += 1
+            skipped = self._skipped[holder]
+            skipped[key] = skipped.pop(key, 0) + 1
+            if len(skipped) > SKIPPED_KEY_MEMORY:
+                skipped.popitem(last=False)
+        total = sum(counts)
+        if not total:
+            return ()
+        self._counters["slower_than_recompute"] += total
+        for t, n in enumerate(counts):
+            if n:
+                self._slower[self.tiers[t].name] += n
+        return tuple(counts)
+
     def _scan(self, keys: list[OffloadKey], start: int, req_id: ReqId,
-              allowed: Container[str] | None, status: list[int] | None) -> tuple[bool, bool]:
+              allowed: Container[str] | None, status: list[int] | None,
+              recompute: Recompute | None = None) -> tuple[bool, bool]:
         """Promote what the keys from `start` need. Without `status`: a leading run,
-        up to the first key no tier holds. With it: every key, its status set.
-        Returns (pending, retry)."""
+        up to the first key no tier holds. With it: every key, its status set (and,
+        with `recompute`, a tier's keys promoted only while the tier's expected time
+        for them beats recomputing them). Returns (pending, retry)."""
         primary = self.primary
         pending = retry = False
         may_promote = True  # False once a key's existence is still being checked
+        chosen = [0] * len(self.tiers)  # per tier: keys promoted by this lookup
+        now = self.clock() if recompute is not None else 0.0
         for i in range(start, len(keys)):
             key = keys[i]
             if status is not None and status[i] == HIT:
@@ -221,6 +353,12 @@ class TieringManager:
                 if status is not None:
                     status[i] = RETRY
                 continue
+            if recompute is not None:
+                n = chosen[holder] + 1
+                if self.costs[holder].eta(n * self.block_bytes, now) >= recompute.seconds(n):
+                    self._skip([(key, holder)])
+                    continue  # its status stays MISS: the engine computes it
+                chosen[holder] = n
             if not self._start_promotion(key, holder, req_id, keys):
                 # Every CPU block is busy (being written, read or cascaded): that
                 # passes, and loading beats recomputing, so the engine asks again.
@@ -304,6 +442,7 @@ class TieringManager:
         if req_id is not None:
             self.leases.end(req_id)
             self.primary.note_finish(req_id, self.clock())
+            self._wait_until.pop(req_id, None)
         for (tier, req), keys in list(self._queued_promotions.items()):
             if req == req_id:
                 del self._queued_promotions[(tier, req)]
@@ -338,12 +477,15 @@ class TieringManager:
         return events
 
     def stats(self) -> dict[str, Any]:
+        now = self.clock()
         return {
             "step": self.step_count,
             "cpu": self.primary.stats(),
             "tiers": {
-                t.name: {**t.stats(), "promoted_blocks": self._promoted_from[t.name]}
-                for t in self.tiers
+                t.name: {**t.stats(), "promoted_blocks": self._promoted_from[t.name],
+                         "slower_than_recompute": self._slower[t.name],
+                         "load_cost": self.costs[i].as_dict(now)}
+                for i, t in enumerate(self.tiers)
             },
             "tiering": {
                 **self._counters,
@@ -461,6 +603,7 @@ class TieringManager:
 
     def _flush(self) -> None:
         primary = self.primary
+        self._start_background()
         for t, keys in self._queued_cascades.items():
             job = Job(next(self._job_ids), tuple(keys),
                       tuple(primary.block_id(k) for k in keys), JobKind.STORE)  # type: ignore[misc]
@@ -472,8 +615,36 @@ class TieringManager:
                       tuple(primary.block_id(k) for k in keys),  # type: ignore[misc]
                       JobKind.PROMOTION, req_id)
             self._promotions[job.job_id] = _PromotionJob(t, req_id, job.keys)
+            self._job_of.update(dict.fromkeys(job.keys, job.job_id))
+            self.costs[t].started(job.job_id, self.clock(), len(keys) * self.block_bytes)
             self.tiers[t].submit_load(job)
         self._queued_promotions.clear()
+
+    def _start_background(self) -> None:
+        """Promote keys that requests skipped as slower than recomputing, from each
+        tier with no promotion of its own queued or out (so a request's loads never
+        wait behind these), a few blocks at a time. A key asked for once is brought
+        only into free CPU rows; one asked for again may evict (it is being reused)."""
+        busy = {t for t, _ in self._queued_promotions}
+        for t, skipped in enumerate(self._skipped):
+            if not skipped or t in busy or self.costs[t].queued_bytes:
+                continue
+            tier, primary, started = self.tiers[t], self.primary, 0
+            # The most recently skipped first, and only a few looked at per step.
+            newest = itertools.islice(reversed(skipped), 4 * BACKGROUND_JOB_BLOCKS)
+            for key in list(newest):
+                if primary.contains(key) or not tier.holds(key):
+                    del skipped[key]
+                    continue
+                if skipped[key] < 2 and primary.free_blocks == 0:
+                    continue
+                if not self._start_promotion(key, t, None, ()):
+                    break  # no CPU room now
+                del skipped[key]
+                started += 1
+                if started >= BACKGROUND_JOB_BLOCKS:
+                    break
+            self._counters["background_promotions"] += started
 
     def _poll_once(self) -> None:
         if self._polled:
@@ -507,6 +678,8 @@ class TieringManager:
         failed = [k for k in promotion.keys if k not in ok]
         for key in promotion.keys:
             self._promoting.pop(key, None)
+            self._job_of.pop(key, None)
+        self.costs[promotion.tier].finished(result.job_id, self.clock(), bool(landed))
         if failed:
             self._promotion_failed(promotion.tier, failed, result)
         if not landed:

@@ -65,6 +65,11 @@ FRAMEWORK = TierOptions("any", "keys every tier entry takes", (
     Option("refresh_s", float, 5.0, "a shared tier (S3) lists what other nodes stored this "
            "often, so lookups never wait on an existence check; 0: no listing, the first "
            "unknown key of a request is checked instead", check=at_least(0)),
+    Option("load_latency_ms", float, 0.0, "what a promotion from this tier is assumed to "
+           "cost before it is measured: its latency (0: the type's default, see "
+           "docs/design.md, load or recompute)", check=at_least(0)),
+    Option("load_bandwidth_mb_s", float, 0.0, "and its bandwidth in MB/s (0: the type's "
+           "default); measured promotions replace both", check=at_least(0)),
 ))
 FRAMEWORK_KEYS = frozenset(FRAMEWORK.names())
 # Arguments the framework passes to a backend's constructor (never config keys).

@@ -169,6 +169,11 @@ class TierkvConnector(OffloadingConnector):
             prefetch(status.req_context)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        prefill = getattr(manager, "prefill", None)
+        if prefill is not None:  # before this step's lookups are sent
+            prefill.scheduled(scheduler_output)
+            manager.link.client.recompute_rate(prefill.tokens_per_s, manager.key_tokens)
         meta = super().build_connector_meta(scheduler_output)
         if isinstance(meta, OffloadingConnectorMetadata):
             for job_id, job in meta.store_jobs.items():

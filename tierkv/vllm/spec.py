@@ -27,6 +27,9 @@ Extra config read here (`kv_connector_extra_config`):
   engine is writing or a tier is promoting; then they miss (vLLM computes).
 * ``allow_unpinned`` (false): let the worker copy from a CPU tier it could not pin
   for DMA (synchronous copies, several times slower) rather than stop at start.
+* ``prefill_tokens_per_s`` (measured): this engine's prefill rate, which a
+  promotion from a secondary tier must beat to be waited for (`tierkv.vllm.prefill`);
+  a number fixes it, 0 turns the rule off (every promotion is waited for).
 * ``block_size``: vLLM's own (tokens per offloaded chunk).
 """
 
@@ -54,6 +57,7 @@ from tierkv.node.realtime import check_priority
 from tierkv.vllm.identity import EngineIdentity, current_vllm_facts
 from tierkv.vllm.layout import check_node
 from tierkv.vllm.manager import ManagerOptions, Metrics, TierkvOffloadingManager
+from tierkv.vllm.prefill import PrefillRate
 from tierkv.vllm.request_keys import require_request_keys
 
 SPARE_ROWS = ManagerOptions().spare_rows
@@ -114,6 +118,12 @@ class TierkvOffloadingSpec(OffloadingSpec):
             raise ValueError("kv_connector_extra_config needs 'tierkv_config' (the tierkv "
                              "node's config file) or 'tierkv_instance' and 'tierkv_address'")
         self.timeout_s = _option(extra, "timeout_s", 2.0)
+        self.prefill_tps: float | None = None  # measured
+        if extra.get("prefill_tokens_per_s") is not None:
+            self.prefill_tps = _option(extra, "prefill_tokens_per_s", 0.0)
+            if not 0 <= self.prefill_tps < float("inf"):
+                raise ValueError(f"kv_connector_extra_config: prefill_tokens_per_s must be "
+                                 f"a number >= 0, got {self.prefill_tps}")
         # The scheduler thread is lifted into SCHED_RR only while it waits for the broker.
         self.realtime_priority = int(_option(extra, "realtime_priority", realtime))
         why = check_priority(self.realtime_priority)
@@ -182,6 +192,10 @@ class TierkvOffloadingSpec(OffloadingSpec):
                  if getattr(g, "sliding_window_size_in_chunks", None) is not None],
                 self.tiers, options,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
+            # What recomputing costs here, sent with every step's lookups.
+            self._manager.prefill = PrefillRate(self.prefill_tps)
+            self._manager.key_tokens = self.config.groups[0].tokens_per_block * \
+                self.blocks_per_chunk
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -132,6 +132,10 @@ class RequestContext:
     continues: bool | None = None  # will the session come back for another turn?
     next_turn_s: float | None = None  # expected seconds until it does (or a ttl)
     hints: dict[str, Any] | None = None  # opaque orchestrator hints (vLLM's kv_hints)
+    # The longest this request should wait for promotions from the secondary tiers
+    # (what recomputing them would take, where the engine knows it better than a
+    # rate): a load expected to take longer is not started, one that overruns ends.
+    load_budget_s: float | None = None
 
     def check(self, where: str = "contexts") -> None:
         if self.hints is not None:
@@ -141,6 +145,9 @@ class RequestContext:
         if self.next_turn_s is not None and not 0 <= self.next_turn_s < math.inf:
             raise BadRequest(f"{where}.next_turn_s: must be a finite number >= 0, got "
                                 f"{self.next_turn_s}")
+        if self.load_budget_s is not None and not 0 <= self.load_budget_s < math.inf:
+            raise BadRequest(f"{where}.load_budget_s: must be a finite number >= 0, got "
+                             f"{self.load_budget_s}")
 
 
 # Sections with keys, in the order they run and take their keys from the blob.
@@ -194,6 +201,11 @@ class OpsRequest(Message):
     # into: a commit into another region than the broker's is refused `stale_region`.
     # Empty: not said (the worker path, which the broker's own region serves).
     region: str = ""
+    # What recomputing costs this engine, for the load-or-recompute rule
+    # (`tierkv.core.costs`): its prefill rate in tokens/s and the tokens one key
+    # covers. 0: not said (the broker's `prefill_tokens_per_s`, or every load goes).
+    prefill_tps: float = 0.0
+    key_tokens: int = 0
 
     def check(self) -> None:
         for name, values, limit in (("contexts", self.contexts, MAX_CONTEXTS),
@@ -203,6 +215,12 @@ class OpsRequest(Message):
             if len(values) > limit:
                 raise BadRequest(f"ops.{name}: {len(values)} items exceeds the limit "
                                  f"of {limit}")
+        if not 0 <= self.prefill_tps < math.inf:
+            raise BadRequest(f"ops.prefill_tps: must be a finite number >= 0, got "
+                             f"{self.prefill_tps}")
+        if not 0 <= self.key_tokens <= MAX_KEY_TOKENS:
+            raise BadRequest(f"ops.key_tokens: must be 0..{MAX_KEY_TOKENS}, got "
+                             f"{self.key_tokens}")
         if len(self.region) > MAX_REGION_LEN:  # a generation is "pid.start time"
             raise BadRequest(f"ops.region: {len(self.region)} characters exceeds the limit "
                              f"of {MAX_REGION_LEN}")
@@ -305,6 +323,14 @@ class OpsResult:
     # (`broker.pin_s`; 0: it took none): a client may keep a hit that long without
     # asking again, counting from before it sent the request.
     pin_s: float = 0.0
+    # int32 per lookup group and tier of `tiers` (group-major), when any lookup skipped
+    # one: leading keys held in that tier that were not promoted, because loading them
+    # was expected to take longer than recomputing them.
+    slower: bytes = b""
+    # With `events`: keys of this client's events the broker dropped since its last
+    # step or poll (its queue holds `broker.events.MAX_QUEUED_KEYS` keys, the oldest
+    # go first): the engine's view of the tiers has that many holes.
+    events_dropped: int = 0
 
 
 LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
@@ -313,6 +339,7 @@ LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
 # a limit, the message is refused before any work (`bad_request`, naming it).
 MAX_STEP_KEYS = 1 << 17  # keys in the blob
 MAX_REGION_LEN = 64  # `OpsRequest.region`: a `SharedRegion.generation`
+MAX_KEY_TOKENS = 1 << 20  # `OpsRequest.key_tokens`
 MAX_GROUPS = 1 << 14  # groups in one section (requests of one step)
 MAX_CONTEXTS = 1 << 12  # request contexts
 MAX_QUEUE_CHAINS = 1 << 12  # waiting requests in the `queue` section
