@@ -29,6 +29,7 @@ import zmq
 
 from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.shm import RegionError, SharedRegion
+from tierkv.node.lifecycle import SUPERVISED_ENV
 from tierkv.node.children import take_token
 from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
 from tierkv.wire.protocol import (
@@ -238,7 +239,15 @@ class PeerService(ABC):
         return gone_since
 
     def _attach_region(self) -> SharedRegion:
-        return SharedRegion.attach(self.instance, populate=True)
+        region = SharedRegion.attach(self.instance, populate=True)
+        if os.environ.get(SUPERVISED_ENV) and not region.owner_alive:
+            # The region of a broker that died: holding its pages would keep the
+            # new broker's from fitting in /dev/shm. A child of the supervisor
+            # shares the broker's pid namespace, so "dead" means dead.
+            name = region.name
+            region.close()
+            raise RegionError(f"{name} is a dead broker's: waiting for the new one")
+        return region
 
     def _wait(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if we should stop."""

@@ -224,6 +224,15 @@ class SharedRegion:
         header = _read_header(self._mmap, self.name)
         return f"{header['owner_pid']}.{header['owner_start']}"
 
+    @property
+    def owner_alive(self) -> bool:
+        """Is the process that created this region still running? Only meaningful in
+        its pid namespace (a process of another container may not see it)."""
+        if self._mmap is None:
+            raise RegionError(f"{self.name} is closed")
+        header = _read_header(self._mmap, self.name)
+        return owner_alive(header["owner_pid"], header["owner_start"])
+
     # -- views (zero copy) ---------------------------------------------------------
 
     @property

@@ -130,10 +130,15 @@ def parent_gone(fd: int) -> bool:
 # -- parent side -----------------------------------------------------------------------
 
 
+# Set for every child of a supervisor: it shares the broker's pid namespace.
+SUPERVISED_ENV = "TIERKV_SUPERVISED"
+
+
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child that must import this very tierkv,
     also when it runs from a checkout rather than an installed package."""
     env = dict(os.environ)
+    env[SUPERVISED_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
     env.update(extra or {})
