@@ -73,6 +73,12 @@ def test_up_detach_status_and_down(instance, tmp_path):
         assert status["supervisor"]["alive"] and status["supervisor"]["pid"] == sup
         assert {c["name"]: c["state"] for c in status["supervisor"]["children"]} == {
             "broker": "running", "tier:mem:0": "running"}
+        # What a promotion from each tier is expected to cost, until measured its
+        # type's default, in both forms.
+        cost = status["broker"]["tiers"]["mem"]["load_cost"]
+        assert cost["samples"] == 0 and cost["latency_ms"] > 0 and cost["bandwidth_mb_s"] > 0
+        table = tierkv("status", "-c", path).stdout
+        assert "load latency" in table and "no (default)" in table
         # A second start of the running instance is refused and changes nothing.
         again = tierkv("up", "--detach", "-c", path)
         assert again.returncode != 0 and "already running" in again.stderr

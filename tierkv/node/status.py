@@ -129,7 +129,27 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
         lines.append(_table(
             ["tier", "blocks", "bytes", "capacity", "hit ratio", "in flight", "errors",
              "circuit"], _tiers(stats)))
+        costs = _load_costs(stats)
+        if costs:
+            lines.append("")
+            lines.append(_table(["tier", "load latency", "bandwidth", "measured",
+                                 "slower than recompute"], costs))
     return "\n".join(lines)
+
+
+def _load_costs(stats: dict[str, Any]) -> list[list[str]]:
+    """Each tier's promotion cost as the broker estimates it (`tierkv.core.costs`),
+    and the blocks lookups left to recompute because loading them was slower."""
+    rows = []
+    for name, tier in stats["tiers"].items():
+        cost = tier.get("load_cost")
+        if cost is None:
+            continue
+        rows.append([name, f"{cost['latency_ms']:.1f} ms",
+                     f"{_bytes(cost['bandwidth_mb_s'] * 1e6)}/s",
+                     f"{cost['samples']} promotions" if cost["samples"] else "no (default)",
+                     str(tier.get("slower_than_recompute", 0))])
+    return rows
 
 
 def _supervisor_line(sup: dict[str, Any] | None) -> str:
