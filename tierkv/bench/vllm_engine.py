@@ -157,11 +157,18 @@ def engine_node(page_size: int, cpu_blocks: int, disk_blocks: int = 0,
             node.stop()
 
 
+# The stand-in model computes nothing, so its steps say nothing of what recomputing
+# costs: the engine says the rate of the GPU engine it stands in for (an 8B model
+# on an H100), and the load-or-recompute rule weighs promotions against that.
+STAND_IN_PREFILL_TPS = 15_000.0
+
+
 def tierkv_extra_config(node: Node, **more: Any) -> dict[str, Any]:
     """`kv_connector_extra_config` for a vLLM engine on `node` (its connector is
     `TierkvConnector`, see `vllm_config`)."""
     return {"spec_name": "TierkvOffloadingSpec", "spec_module_path": "tierkv.vllm",
-            "tierkv_config": str(node.config_path), **more}
+            "tierkv_config": str(node.config_path),
+            "prefill_tokens_per_s": STAND_IN_PREFILL_TPS, **more}
 
 
 def connector_for(extra_config: dict[str, Any]) -> dict[str, Any]:

@@ -193,9 +193,10 @@ class TierkvOffloadingSpec(OffloadingSpec):
                 self.tiers, options,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
             # What recomputing costs here, sent with every step's lookups.
-            self._manager.prefill = PrefillRate(self.prefill_tps)
+            self._manager.prefill = prefill = PrefillRate(self.prefill_tps)
             self._manager.key_tokens = self.config.groups[0].tokens_per_block * \
                 self.blocks_per_chunk
+            client.recompute_rate(prefill.tokens_per_s, self._manager.key_tokens)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
