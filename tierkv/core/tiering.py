@@ -29,12 +29,9 @@ keep data safe"):
   recompute time: past it, the lookup answers without them (`promotions_overrun`),
   and they land for later requests. What was skipped is promoted in the background
   while its tier has nothing else to do, a few blocks at a time.
-* **Failed promotions** make the key a miss in that tier, never an endless retry:
-  until it is stored again when the tier lost it (not found, corrupt), and for a
-  back-off otherwise (a dead process, a timeout, an endpoint down: the key may be
-  fine). The back-off is per tier, doubles while its promotions keep failing and
-  resets on a promotion that lands; a tier that says it is unavailable (an open
-  circuit breaker) answers every lookup as a miss at once.
+* **Failed promotions** make the key a miss in that tier, never an endless retry
+  (`tierkv.core.backoff`); a tier that says it is unavailable (an open circuit
+  breaker) answers every lookup as a miss at once.
 
 Runs on one thread (the broker's loop); nothing here blocks except `reset`, which
 drains the tiers.
@@ -44,31 +41,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv.core.backoff import PROMOTION_BACKOFF_MAX_S, PROMOTION_BACKOFF_S, PromotionBackoff
 from tierkv.core.costs import Recompute, TierCosts, best_split, prior_for
-from tierkv.core.errors import LOST
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.leases import Leases
 from tierkv.core.loglimit import RateLimitedLog
 from tierkv.core.policies.hints import RequestHints
 from tierkv.core.primary import BlockStateError, PrepareStoreOutput, PrimaryTier
+from tierkv.core.recompute import Skipped, WaitBounds
 from tierkv.tiers.base import Job, JobKind, JobResult, SecondaryTier
 
 log = logging.getLogger("tierkv.core.tiering")
 QUEUE_PREFETCH = 8  # waiting requests whose missing blocks are promoted ahead of time
-PROMOTION_BACKOFF_S = 1.0  # a key whose promotion failed (not lost) waits this long first
-PROMOTION_BACKOFF_MAX_S = 60.0  # and at most this long, while its tier keeps failing
-# Keys skipped as slower than recomputing, remembered per node for the background
-# promotions, and the most blocks one background job of a tier brings.
-SKIPPED_KEY_MEMORY = 4096
-BACKGROUND_JOB_BLOCKS = 64
-WAIT_MEMORY = 1 << 16  # requests whose promotion wait is bounded, remembered at most
+BACKGROUND_JOB_BLOCKS = 64  # the most blocks one background promotion of a tier brings
 
 ReqId = str | None
 
@@ -132,15 +123,9 @@ class TieringManager:
         self._promoting: dict[OffloadKey, int] = {}  # key -> tier, queued or in flight
         # Blocks a request was told about (hits, landed promotions), held for it.
         self.leases = Leases(primary, lease_s, clock)
-        # (tier, key) whose promotion failed -> until when it is a miss in that tier
-        # (inf: the tier lost it; a miss there until it is stored again).
-        self._failed: OrderedDict[tuple[int, OffloadKey], float] = OrderedDict()
-        self._failed_key_memory = failed_key_memory
         self.clock = clock
-        self.promotion_backoff_s = promotion_backoff_s
-        self.promotion_backoff_max_s = promotion_backoff_max_s
-        self._backoff = [0.0] * len(self.tiers)  # per tier: the current back-off
-        self._backoff_until = [0.0] * len(self.tiers)  # and when its spell ends
+        self._failed = PromotionBackoff(len(self.tiers), clock, promotion_backoff_s,
+                                        promotion_backoff_max_s, failed_key_memory)
         self._warn = RateLimitedLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
             ("lookups_pending", "promotions_started", "promotions_landed", "promotions_failed",
@@ -163,9 +148,8 @@ class TieringManager:
             raise ValueError(f"{len(cost_priors)} cost priors for {len(self.tiers)} tiers")
         self.costs = [TierCosts(*prior) for prior in cost_priors]
         self._job_of: dict[OffloadKey, int] = {}  # promoted key -> its job, once sent
-        self._wait_until: OrderedDict[str, float] = OrderedDict()  # request -> its bound
-        self._skipped: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in self.tiers]
-        self._slower: dict[str, int] = dict.fromkeys(names, 0)
+        self._waits = WaitBounds()
+        self._skipped = Skipped(len(self.tiers))
         for name in ("slower_than_recompute", "promotions_overrun", "background_promotions"):
             self._counters[name] = 0
 
@@ -252,11 +236,13 @@ class TieringManager:
             run.append((key, holder))
             arrivals.append(self.costs[holder].eta(counts[holder] * bb, now))
         m, _ = best_split(arrivals, recompute)
-        slower = self._skip(run[m:])
+        slower = self._skipped.note(run[m:])
+        if slower:
+            self._counters["slower_than_recompute"] += sum(slower)
         retry = unknown and m == len(run)  # the run may go on: ask again after the check
         pending = False
         waited = 0
-        for i, (key, holder) in enumerate(run[:m]):
+        for key, holder in run[:m]:
             if holder < 0:
                 if not primary.is_ready(key):
                     pending, waited = True, waited + 1
@@ -268,17 +254,13 @@ class TieringManager:
         if req_id is None:
             return pending, retry, slower
         if not pending:
-            if self._wait_until.pop(req_id, None) is not None:
+            if self._waits.end(req_id):
                 # It waited, and now computes: what is still on its way overran.
                 self._counters["promotions_overrun"] += sum(
                     1 for key, holder in run if holder < 0 and not primary.is_ready(key))
             return False, retry, slower
-        until = self._wait_until.get(req_id)
-        if until is None:
-            self._wait_until[req_id] = now + recompute.wait_bound(waited)
-            while len(self._wait_until) > WAIT_MEMORY:
-                self._wait_until.popitem(last=False)
-        elif now > until:  # past its bound: it computes, the promotions land for others
+        if self._waits.past(req_id, now, recompute.wait_bound(waited)):
+            # Past its bound: it computes, and the promotions land for later requests.
             self._counters["promotions_overrun"] += waited
             return False, False, slower
         return pending, retry, slower
@@ -292,27 +274,6 @@ class TieringManager:
         job = self._job_of.get(key)
         costs = self.costs[tier]
         return costs.eta(self.block_bytes, now) if job is None else costs.remaining(job, now)
-
-    def _skip(self, run: Sequence[tuple[OffloadKey, int]]) -> tuple[int, ...]:
-        """Keys of a run left to recompute: counted per tier, and remembered for the
-        background promotions. Returns the counts (empty: none skipped)."""
-        counts = [0] * len(self.tiers)
-        for key, holder in run:
-            if holder < 0:
-                continue
-            counts[holder] += 1
-            skipped = self._skipped[holder]
-            skipped[key] = skipped.pop(key, 0) + 1
-            if len(skipped) > SKIPPED_KEY_MEMORY:
-                skipped.popitem(last=False)
-        total = sum(counts)
-        if not total:
-            return ()
-        self._counters["slower_than_recompute"] += total
-        for t, n in enumerate(counts):
-            if n:
-                self._slower[self.tiers[t].name] += n
-        return tuple(counts)
 
     def _scan(self, keys: list[OffloadKey], start: int, req_id: ReqId,
               allowed: Container[str] | None, status: list[int] | None,
@@ -356,7 +317,8 @@ class TieringManager:
             if recompute is not None:
                 n = chosen[holder] + 1
                 if self.costs[holder].eta(n * self.block_bytes, now) >= recompute.seconds(n):
-                    self._skip([(key, holder)])
+                    self._skipped.note([(key, holder)])
+                    self._counters["slower_than_recompute"] += 1
                     continue  # its status stays MISS: the engine computes it
                 chosen[holder] = n
             if not self._start_promotion(key, holder, req_id, keys):
@@ -442,7 +404,7 @@ class TieringManager:
         if req_id is not None:
             self.leases.end(req_id)
             self.primary.note_finish(req_id, self.clock())
-            self._wait_until.pop(req_id, None)
+            self._waits.end(req_id)
         for (tier, req), keys in list(self._queued_promotions.items()):
             if req == req_id:
                 del self._queued_promotions[(tier, req)]
@@ -483,7 +445,7 @@ class TieringManager:
             "cpu": self.primary.stats(),
             "tiers": {
                 t.name: {**t.stats(), "promoted_blocks": self._promoted_from[t.name],
-                         "slower_than_recompute": self._slower[t.name],
+                         "slower_than_recompute": self._skipped.counts[i],
                          "load_cost": self.costs[i].as_dict(now)}
                 for i, t in enumerate(self.tiers)
             },
@@ -560,7 +522,7 @@ class TieringManager:
         for t, tier in enumerate(self.tiers):
             if allowed is not None and tier.name not in allowed:
                 continue
-            if self._failed and self._backing_off(t, key):
+            if self._failed and self._failed.backing_off(t, key):
                 continue
             found = tier.lookup(key)
             if found:
@@ -626,21 +588,21 @@ class TieringManager:
         wait behind these), a few blocks at a time. A key asked for once is brought
         only into free CPU rows; one asked for again may evict (it is being reused)."""
         busy = {t for t, _ in self._queued_promotions}
-        for t, skipped in enumerate(self._skipped):
-            if not skipped or t in busy or self.costs[t].queued_bytes:
+        skipped, primary = self._skipped, self.primary
+        for t, tier in enumerate(self.tiers):
+            if not skipped.any(t) or t in busy or self.costs[t].queued_bytes:
                 continue
-            tier, primary, started = self.tiers[t], self.primary, 0
+            started = 0
             # The most recently skipped first, and only a few looked at per step.
-            newest = itertools.islice(reversed(skipped), 4 * BACKGROUND_JOB_BLOCKS)
-            for key in list(newest):
+            for key, times in skipped.newest(t, 4 * BACKGROUND_JOB_BLOCKS):
                 if primary.contains(key) or not tier.holds(key):
-                    del skipped[key]
+                    skipped.forget(t, key)
                     continue
-                if skipped[key] < 2 and primary.free_blocks == 0:
+                if times < 2 and primary.free_blocks == 0:
                     continue
                 if not self._start_promotion(key, t, None, ()):
                     break  # no CPU room now
-                del skipped[key]
+                skipped.forget(t, key)
                 started += 1
                 if started >= BACKGROUND_JOB_BLOCKS:
                     break
@@ -660,8 +622,7 @@ class TieringManager:
             tier, keys = cascade
             self.primary.release(keys)
             self._counters["cascade_keys_failed"] += len(keys) - len(result.successful_keys)
-            for key in result.successful_keys:
-                self._failed.pop((tier, key), None)
+            self._failed.stored(tier, result.successful_keys)
             return
         promotion = self._promotions.pop(result.job_id, None)
         if promotion is None or promotion.tier != t:
@@ -684,7 +645,7 @@ class TieringManager:
             self._promotion_failed(promotion.tier, failed, result)
         if not landed:
             return
-        self._backoff[promotion.tier] = 0.0  # the tier serves again
+        self._failed.served(promotion.tier)
         self.primary.complete_store(landed, success=True)
         self._origin.update(dict.fromkeys(landed, promotion.tier))
         self._counters["promotions_landed"] += len(landed)
@@ -700,34 +661,7 @@ class TieringManager:
     def _promotion_failed(self, t: int, failed: list[OffloadKey], result: JobResult) -> None:
         self.primary.complete_store(failed, success=False)
         self._counters["promotions_failed"] += len(failed)
-        code = result.error_code
-        if code in LOST:
-            # The tier lost these keys: a miss there until they are stored again.
-            until = math.inf
-        else:
-            # A dead process, a timeout, an endpoint down: the keys may be fine, the
-            # tier is not. Its keys miss for a back-off that grows once per spell.
-            now = self.clock()
-            if now >= self._backoff_until[t]:
-                self._backoff[t] = min(max(2 * self._backoff[t], self.promotion_backoff_s),
-                                       self.promotion_backoff_max_s)
-                self._backoff_until[t] = now + self._backoff[t]
-            until = self._backoff_until[t]
-        for key in failed:
-            self._failed[(t, key)] = until
-            self._failed.move_to_end((t, key))
-        while len(self._failed) > self._failed_key_memory:
-            self._failed.popitem(last=False)
+        self._failed.failed(t, failed, result.error_code)
         name = self.tiers[t].name
-        self._warn.warning((name, code), "promotion of %d key(s) from %s failed: %s",
-                           len(failed), name, result.error or "no reason given")
-
-    def _backing_off(self, t: int, key: OffloadKey) -> bool:
-        """Is `key` a miss in tier `t` because its promotion from there failed?"""
-        until = self._failed.get((t, key))
-        if until is None:
-            return False
-        if until > self.clock():
-            return True
-        del self._failed[(t, key)]  # the back-off is over: the tier may be asked again
-        return False
+        self._warn.warning((name, result.error_code), "promotion of %d key(s) from %s "
+                           "failed: %s", len(failed), name, result.error or "no reason given")
