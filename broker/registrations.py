@@ -2,7 +2,7 @@
 which one a worker holds, and the attaches in flight. Socket-free.
 
 A registration is the engine's; a hostile or confused client must not be able to
-take it away (issue 20). So a registration replaces the one in place only when it
+take it away. So a registration replaces the one in place only when it
 comes from the client that made that one, carries the token its registration
 returned, or the engine that made it has exited (an engine restart). A
 registration the worker cannot open leaves the working one in place (the worker

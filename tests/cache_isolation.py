@@ -3,7 +3,7 @@
 vLLM caches what it learns of a model's architecture under the user's cache
 directory (`$XDG_CACHE_HOME/vllm`, `~/.cache/vllm`); a run on a machine where that
 cache is warm skipped the subprocess that imports the model class, and so hid a
-package missing from the set-up (issue 23). Pointing every cache at a fresh
+package missing from the set-up. Pointing every cache at a fresh
 directory before anything imports vLLM, torch or transformers makes each run see
 what a fresh machine sees. Child processes (vLLM's inspection, the node's
 processes) inherit the environment, so they see the same.

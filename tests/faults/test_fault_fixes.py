@@ -44,7 +44,7 @@ def _core(tmp_path: Path) -> tuple[BrokerCore, list[tuple[str, bytes, object]]]:
 def test_a_worker_saying_hello_on_a_new_session_rejoins(tmp_path):
     """After a hung broker resumes, its worker's new session replaces the old one;
     a process the supervisor did not start, naming the live worker's pid and start
-    time (both public), is refused: claims are not evidence (issue 24, F3)."""
+    time (both public), is refused: claims are not evidence."""
     core, sent = _core(tmp_path)
     pid = os.getpid()
     started = process_start_time(pid) or 0

@@ -1,4 +1,4 @@
-"""A campaign of hostile input against a running node (issue 20), with health checks.
+"""A campaign of hostile input against a running node, with health checks.
 
 Every class of input the first campaign found something with, on all three sockets:
 random bytes, truncated and oversized msgpack, wrong types, deep nesting, huge
@@ -9,7 +9,7 @@ Every `check_every` inputs the node must still be the same broker (pid unchanged
 answer a stats probe within `PROBE_S`, and carry a legitimate store and load
 byte-exact; the broker's RSS, open fds and log bytes are recorded before and after.
 
-`CrossPeerCampaign` is issue 24's cross-peer mode: real clients acting on one key
+`CrossPeerCampaign` is the cross-peer mode: real clients acting on one key
 space and on each other's reservations, pins and jobs, forged hellos for the live
 worker and tier, messages over every protocol limit (see its section below).
 """
@@ -361,7 +361,7 @@ class Campaign:
         return False
 
 
-# -- the cross-peer mode (issue 24) ----------------------------------------------------------
+# -- the cross-peer mode ----------------------------------------------------------------------
 #
 # Several real clients share one small key space and act on each other's state: every
 # commit, release, store and load is judged against what each client holds by its own
@@ -578,7 +578,7 @@ def limit_case(name: str, request_id: int) -> bytes:
 
 
 class CrossPeerCampaign(Campaign):
-    """Issue 24's cross-peer mode: `actors` real clients (the first `with_tokens` of
+    """The cross-peer mode: `actors` real clients (the first `with_tokens` of
     them given the engine's KV tokens) interleave every operation on one small key
     space and on each other's keys; the engine (`cluster.clients[0]`, which
     registered the KV cache) is the prober. `run` then `finish`."""

@@ -1,10 +1,10 @@
-"""The hostile-input campaign of issue 20 against a real node: no crash, no hang, a
+"""The hostile-input campaign against a real node: no crash, no hang, a
 legitimate client byte-exact throughout, no bystander killed, the log and the
 broker's memory bounded. The suite runs a short one; `pytest -m slow -s
 tests/fuzz/test_campaign.py` runs the full one (>= 100,000 inputs, then as many
 again to see whether memory keeps growing) and prints its figures.
 
-Issue 24's cross-peer mode (`CrossPeerCampaign`): four real clients, two of them
+The cross-peer mode (`CrossPeerCampaign`): four real clients, two of them
 given the engine's KV tokens, on one small key space and on each other's keys, with
 forged hellos naming the live worker and tier and messages over every limit. The
 suite runs 2,000 inputs; the slow variant 100,000."""

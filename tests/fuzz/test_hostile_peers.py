@@ -1,4 +1,4 @@
-"""Issue 20: what a hostile peer or client could do to a node that a well-behaved
+"""What a hostile peer or client could do to a node that a well-behaved
 one cannot: get a bystander process killed, crash a handler with a registration
 nested 900 deep, or take the engine's KV registration away."""
 
@@ -27,7 +27,7 @@ def dealer(address: str, name: bytes) -> zmq.Socket:
 
 
 def test_a_tier_hello_without_the_nodes_token_or_secret_is_refused(make_cluster):
-    """Issue 24, F3: a forged tier process was welcomed, drew jobs by announcing
+    """A forged tier process was once welcomed, drew jobs by announcing
     credit, and answered promotions without writing the row."""
     cluster = make_cluster(cpu={"num_blocks": 16})
     forged = dealer(cluster.config.connect_address("tier"), b"forged")

@@ -104,7 +104,7 @@ def mutations(payload: bytes, rng: random.Random) -> list[bytes]:
 
 
 def test_a_hello_naming_the_live_workers_pid_without_its_token_is_refused(node):
-    """Issue 24, F3: a hello naming the live worker's pid and start time (both public)
+    """A hello naming the live worker's pid and start time (both public) once
     replaced it, and the engine's copies then came back wrong."""
     worker = next(p for p in node.clients[0].stats()["peers"] if p["kind"] == "worker")
     pid = worker["pid"]

@@ -130,7 +130,7 @@ def test_whole_cluster_restart_finds_every_block_stored(make_cluster, tmp_path):
 
 
 def test_missing_root_stops_the_node_with_a_clear_error(make_cluster, tmp_path):
-    # Checked before any process starts (issue 13.6), naming the key.
+    # Checked before any process starts, naming the key.
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.root .*missing' does not exist"):
         make_cluster(tiers=[disk_entry(tmp_path / "missing")])
 

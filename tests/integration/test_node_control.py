@@ -1,5 +1,5 @@
 """A node run the way the README says: `tierkv up --detach`, `tierkv status` (table and
-JSON), `tierkv down` (issue 23.2 and 23.3)."""
+JSON), `tierkv down`."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_down_says_when_the_node_has_not_stopped_in_time(instance, tmp_path):
 
 
 def test_status_json_is_checked_now_as_the_table_is(instance, tmp_path):
-    """Issue 23.2: after the supervisor was SIGKILLed and its children exited, the
+    """After the supervisor was SIGKILLed and its children exited, the
     table said `exited` but --json printed the status file as written, `alive: true`
     for pids that no longer existed."""
     config, path = node_file(instance, tmp_path)

@@ -1,4 +1,4 @@
-"""Who owns what (issue 24): every reservation, pin and KV registration belongs to the
+"""Who owns what: every reservation, pin and KV registration belongs to the
 client that made it, has a deadline, and is let go when that client ends; no client
 can act on another's, and no request can crash or stall the broker. A real node,
 real clients (one of them a process killed mid-store)."""
@@ -237,8 +237,8 @@ def test_one_client_cannot_take_more_than_its_share(make_cluster):
 
 
 def test_a_bad_field_refuses_the_whole_message_and_applies_nothing(make_cluster, instance):
-    """Issue 23 item 6: a context with next_turn_s -5 got `fatal` after the message's
-    commits had run."""
+    """The whole message is checked first: a context with next_turn_s -5 got `fatal`
+    after the message's commits had run."""
     cluster = make_cluster(cpu={"num_blocks": 8})
     engine = cluster.client()
     reserved = engine.reserve(keys(1), "w")
@@ -272,7 +272,7 @@ def test_oversized_requests_are_refused_before_any_work_and_no_child_is_killed(m
 
 def test_a_tier_process_replaced_before_its_death_was_noticed_leaves_no_blocks_behind(
         make_cluster):
-    """Issue 23 item 5: the replacement said hello before the broker noticed the death,
+    """Once, the replacement said hello before the broker noticed the death,
     and the broker went on counting the dead process's blocks (every promotion of them
     failed `not_found`). A hello for a slot ends the old member at once."""
     cluster = make_cluster(cpu={"num_blocks": 16},
@@ -297,7 +297,7 @@ def test_a_tier_process_replaced_before_its_death_was_noticed_leaves_no_blocks_b
 
 
 def test_a_tier_process_started_by_hand_joins_with_the_tier_secret(make_cluster, tmp_path):
-    """Issue 24 item 5: a tier deployed as a process of its own (processes = 0) joins
+    """A tier deployed as a process of its own (processes = 0) joins
     by proving the node's tier secret; one that cannot is refused."""
     cluster = make_cluster(cpu={"num_blocks": 16}, tiers=[
         {"type": "memory", "name": "byhand", "capacity_blocks": 64, "processes": 0}])
@@ -340,7 +340,7 @@ def test_a_tier_process_started_by_hand_joins_with_the_tier_secret(make_cluster,
 
 
 def test_a_broker_that_stalled_kills_none_of_its_healthy_children(make_cluster):
-    """Issue 24 item 4: silence is measured from the broker's side of the loop. A
+    """Silence is measured from the broker's side of the loop. A
     broker stopped for longer than its peers' heartbeat budget used to find every peer
     silent when it resumed, and fenced (SIGKILLed) its own healthy children."""
     cluster = make_cluster(cpu={"num_blocks": 8})

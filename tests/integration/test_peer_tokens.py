@@ -1,5 +1,5 @@
 """The supervisor's children get their tokens over a pipe that only they read, and
-the record the broker checks holds no token (issue 24, F3: a token is what admits a
+the record the broker checks holds no token (a token is what admits a
 worker or tier process; one readable in /proc/<pid>/environ, or in the record, is
 one any process of the user could present)."""
 

@@ -1,5 +1,5 @@
-"""The README is what a new user runs first: its examples run as written, and what
-it says about the commands and the report is what they do (issue 13.13, 13.14)."""
+"""The README and the docs are what a new user runs first: their examples run as
+written, and what they say about the commands and the report is what they do."""
 
 from __future__ import annotations
 
@@ -21,22 +21,24 @@ from tierkv.node.supervisor import Node
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+RUNNING = (REPO / "docs" / "running.md").read_text()  # the node: config, S3, status, demo
+CLIENT = (REPO / "docs" / "client.md").read_text()  # the engine API
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
-def section(title: str) -> str:
-    start = README.index(title)
-    end = README.find("\n## ", start + len(title))
-    return README[start:end if end != -1 else None]
+def section(title: str, text: str = README) -> str:
+    start = text.index(title)
+    end = text.find("\n## ", start + len(title))
+    return text[start:end if end != -1 else None]
 
 
-def run_example(marker: str, tmp_path: Path, instance: str) -> None:
-    """Run the README's python example that contains `marker` against a real node;
+def run_example(marker: str, tmp_path: Path, instance: str, text: str = README) -> None:
+    """Run the python example of `text` that contains `marker` against a real node;
     each line commented with a result (`# Lookup(...)`) must return it."""
-    (code,) = [b for b in blocks("python") if marker in b]
+    (code,) = [b for b in blocks("python", text) if marker in b]
     config = make_config(instance, tmp_path / "run", cpu={"num_blocks": 16, "page_size": 32768},
                          tiers=[])
     path = tmp_path / "node.toml"
@@ -67,16 +69,16 @@ def test_the_engine_example_runs_and_prints_what_its_comments_say(tmp_path, inst
 
 def test_the_engine_copy_example_runs_as_written(tmp_path, instance):
     """Protocol v2's worked example: reserve, write the rows, commit, pin, read."""
-    run_example("SharedRegion.attach", tmp_path, instance)
+    run_example("SharedRegion.attach", tmp_path, instance, CLIENT)
 
 
 def test_the_s3_example_works_as_written(tmp_path, monkeypatch):
-    """The credentials line, the local endpoint command and the s3 entry, as the
-    README gives them (only the port is another, free one): the endpoint admits the
+    """The credentials line, the local endpoint command and the s3 entry, as
+    docs/running.md gives them (only the port is another, free one): the endpoint admits the
     key pair the shell line makes, and the tier, reading the same variables, works."""
     from tierkv.tiers.registry import create_backend
 
-    running = section("## Running a node")
+    running = section("### An S3 tier, and the local endpoint", RUNNING)
     (exports,) = re.findall(r"^(export .+?)\s+#", running, flags=re.M)
     shell = subprocess.run(["bash", "-c", f"{exports}\nenv -0"], capture_output=True,
                            timeout=30, check=True)
@@ -89,7 +91,7 @@ def test_the_s3_example_works_as_written(tmp_path, monkeypatch):
     words = command.replace("\\\n", " ").split()
     port = words[words.index("--port") + 1]
     words[words.index("--port") + 1] = "0"  # any free port; it says which in its ready line
-    (toml,) = [b for b in blocks("toml") if 'type = "s3"' in b]
+    (toml,) = [b for b in blocks("toml", running) if 'type = "s3"' in b]
     (entry,) = [t for t in tomllib.loads(toml)["tiers"] if t["type"] == "s3"]
     server = spawn("readme-s3", [sys.executable, "-m", "tierkv.s3server", *words],
                    env=child_environment())
@@ -129,10 +131,13 @@ def _wait_http(port: int) -> None:
 
 
 def test_every_config_in_the_readme_is_valid():
-    configs = blocks("toml")
-    assert configs
-    for text in configs:
-        config_from_dict(tomllib.loads(text), "README.md")
+    """The README's configs and every document's: each key shown is one `tierkv config`
+    accepts."""
+    for document in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        configs = blocks("toml", document.read_text())
+        assert configs or document.name != "README.md"
+        for text in configs:
+            config_from_dict(tomllib.loads(text), str(document.relative_to(REPO)))
 
 
 def test_the_readme_lists_exactly_the_policies_there_are():
@@ -158,7 +163,7 @@ def test_the_readme_explains_every_row_of_the_demo_report():
     t = Totals(requests=1, blocks=1)
     report = build_report(config, t, {"tiers": {"disk": {}, "s3": {}}, "cpu": {"evictions": 0}},
                           [], 1.0)
-    explained = section("### The demo's report")
+    explained = section("### The demo's report", RUNNING)
     labels = set()
     for line in render(report).splitlines()[1:]:
         found = re.match(r"\s*([a-z][a-z<>\-]*(?: [a-z]+)?)(?::|\s{2,}|$)", line)
@@ -178,7 +183,7 @@ def test_the_readme_explains_every_column_of_tierkv_status():
     text = render({"instance": "x", "broker": stats, "supervisor": None})
     headers = [line for line in text.splitlines() if line.startswith(("process", "tier "))]
     assert len(headers) == 2
-    explained = section("### `tierkv status`")
+    explained = section("### `tierkv status`", RUNNING)
     columns = [c for header in headers for c in re.split(r"\s{2,}", header.strip())]
     assert len(columns) == 13
     assert [c for c in columns if f"`{c}`" not in explained] == []
@@ -230,8 +235,8 @@ def unresolved(document: Path, text: str, names: set[str]) -> list[str]:
 
 
 def test_every_document_the_docs_send_readers_to_is_in_the_repository():
-    """A user or contributor has this repository, nothing more: the README once sent
-    them to a `DESIGN.md` and a `CONVENTIONS.md` of another one (issue 23.8)."""
+    """A user or contributor has this repository, nothing more: a link to a document
+    of another one (a `DESIGN.md`, a `CONVENTIONS.md`) leads nowhere."""
     docs = documents()
     assert all(d.is_file() for d in docs), [str(d) for d in docs if not d.is_file()]
     names = {d.name for d in docs}

@@ -1,4 +1,4 @@
-"""The local S3 endpoint admits only its own key pair (issue 24, F7 and item 8).
+"""The local S3 endpoint admits only its own key pair.
 
 moto took any credentials: as user `nobody`, with made-up keys, one could list the
 bucket, read a KV block and replace it with a forged one that the node served. The

@@ -184,7 +184,7 @@ def test_corrupted_object_is_detected_deleted_and_a_miss(node_a, s3_server, buck
 def test_two_nodes_share_one_bucket(node_a, tmp_path_factory, s3_server, bucket, monkeypatch):
     """Separate brokers and shared regions, one bucket: what A stored is a hit on B.
     B finds A's later blocks by its tier's background listing, within one
-    `refresh_s`, and no lookup of B waits on an existence check (issue 15: a HEAD
+    `refresh_s`, and no lookup of B waits on an existence check (a HEAD
     per key per lookup made the demo's lookup p50 81 ms)."""
     ca = node_a.client()
     ks = keys(*range(40, 46))
@@ -277,7 +277,7 @@ def test_endpoint_down_fails_jobs_in_time_and_the_breaker_recovers(node_a, flaky
 
 
 def test_an_unreachable_tier_settles_to_a_miss_and_is_not_hammered(node_a, flaky):
-    """Issue 13: with the endpoint down, every lookup of a key held only by the S3
+    """With the endpoint down, every lookup of a key held only by the S3
     tier started a new promotion (an outage of a few seconds: ~1,000 failed jobs)."""
     c = node_a.client()
     held = keys(*range(400, 404))

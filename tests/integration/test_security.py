@@ -36,7 +36,7 @@ def test_region_run_dir_and_sockets_are_owner_only(make_cluster):
 
 
 def test_tcp_beyond_loopback_without_keys_is_refused_before_anything_starts(instance, tmp_path):
-    """Issue 23.4: the config check accepted it; `tierkv up` started the supervisor,
+    """The config check once accepted it; `tierkv up` started the supervisor,
     the broker created its shared memory and only then exited, naming a key that
     does not exist (broker.curve_server_secret_file). Now every way in refuses it
     first, naming the real keys, and nothing is made."""

@@ -78,7 +78,7 @@ def test_evicted_block_is_promoted_back_from_the_tier(make_cluster):
     # The cascade to the memory tier finishes within a few steps. The tier's count
     # grows when its completion arrives; the cascade's readers are released only
     # when the broker applies it at a later step, and until then `first` cannot be
-    # evicted (issue 13: under load the next store was refused and `first` stayed).
+    # evicted (under load the next store was once refused and `first` stayed).
     step_until(c, lambda: c.stats()["tiers"]["memory"]["blocks"] == 8
                and c.stats()["tiering"]["cascades_in_flight"] == 0)
     cluster.fill(second, list(range(8, 16)))
@@ -87,7 +87,7 @@ def test_evicted_block_is_promoted_back_from_the_tier(make_cluster):
     wait_for(c, {store.job_id})
     # `second` is still cascading to the memory tier, so every CPU block may have a
     # reader now: the promotion of `first` finds no room. That was a flat miss (the
-    # race of issue 13, seen under load); it is `pending` now, as it should be.
+    # race seen under load); it is `pending` now, as it should be.
     first_lookup = c.lookup(first[:4], "r")
     assert first_lookup.pending and first_lookup.hits == 0
     hit = step_until(c, lambda: c.lookup(first[:4], "r").hits == 4)

@@ -221,8 +221,8 @@ def test_status_shows_processes_and_tiers(node, tmp_path):
 
 
 def test_start_stop_cycles_leave_nothing_and_say_stopped_once_per_process(tmp_path):
-    """Issue 13.10: a clean stop ended with a "lost the broker ... reconnecting"
-    warning per peer and no line saying anything stopped. Issue 20.2: the node's log
+    """A clean stop must not end with a "lost the broker ... reconnecting"
+    warning per peer, and must say what stopped. The node's log
     is a file in the run directory, the supervisor's lines and every process's."""
     instance = new_instance()
     config = make_config(instance, tmp_path / "run", tiers=[{"type": "memory", "name": "m"}])
@@ -290,7 +290,7 @@ def test_supervisor_killed_children_stop_and_a_new_start_cleans_up(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids), "children outlived their supervisor"
-    # Issue 13.7: `tierkv status` read "running" from the dead supervisor's file.
+    # `tierkv status` must not read "running" from the dead supervisor's file.
     out = status_text(config, tmp_path / "status.toml")
     assert out.returncode == 1  # the broker does not answer
     assert f"supervisor: pid {proc.pid} is not running" in out.stdout, out.stdout
@@ -344,18 +344,18 @@ def test_demo_quick_reports_hits_from_every_tier(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     served = report["served_blocks"]
     assert served["cpu"] > 0 and served["disk"] > 0 and served["s3"] > 0, served
-    # Issue 13.12: one accounting; every block the requests needed, once.
+    # One accounting; every block the requests needed, once.
     assert sum(served.values()) + report["recomputed_blocks"] == report["blocks"]
     shares = [float(line.split()[2].rstrip("%")) for line in out.stdout.splitlines()
               if line.split()[:1] in (["cpu"], ["disk"], ["s3"], ["recomputed"])
               and line.endswith("%")]
     assert len(shares) == 4 and abs(sum(shares) - 100.0) <= 0.2, out.stdout
-    # Issue 13.11: real windows of completed requests, none empty, none skipped.
+    # Real windows of completed requests, none empty, none skipped.
     series = report["series"]
     assert sum(p["requests"] for p in series) == report["requests"]
     assert all(p["requests"] >= report["window_requests"] for p in series[:-1])
     assert all(p["blocks"] > 0 for p in series)
-    # Issue 13.13: the lookup figure says what it measured and what it waited on.
+    # The lookup figure says what it measured and what it waited on.
     assert sum(k["count"] for k in report["lookups"].values()) == report["requests"]
     assert "admission until answered" in out.stdout and "promotion:" in out.stdout
     assert report["integrity"]["mismatches"] == 0
@@ -380,7 +380,7 @@ def uptime_s(text: str, process: str) -> int:
 
 
 def test_status_computes_uptimes_now_not_when_the_status_file_was_written(node):
-    """Issue 13.7: the status file is written when something changes, so an uptime
+    """The status file is written when something changes, so an uptime
     read from it stands still."""
     from tierkv.node.status import gather, render
 
@@ -394,7 +394,7 @@ def test_status_computes_uptimes_now_not_when_the_status_file_was_written(node):
 
 
 def test_a_refused_second_up_touches_nothing_of_the_running_node(node, tmp_path):
-    """Issue 13.5: a second `tierkv up` of a running instance used to overwrite the
+    """A second `tierkv up` of a running instance used to overwrite the
     run directory's node.toml and delete supervisor.json before it was refused. Two
     real `tierkv up`: one from the same run directory with other tiers, one from
     another run directory; both are refused and the running node is as it was."""
@@ -431,7 +431,7 @@ def test_a_refused_second_up_touches_nothing_of_the_running_node(node, tmp_path)
 
 
 def test_a_bad_tier_entry_stops_up_before_anything_starts(tmp_path, instance):
-    """Issue 13.6: tier options were checked only in the tier process, after the
+    """Tier options were once checked only in the tier process, after the
     broker and the workers were up, and the error did not name the file."""
     run_dir = tmp_path / "run"
     cases = [
@@ -457,7 +457,7 @@ def test_a_bad_tier_entry_stops_up_before_anything_starts(tmp_path, instance):
 
 
 def test_a_metrics_port_in_use_is_named_by_its_key_and_address(tmp_path, instance):
-    """Issue 13.8: `cannot start: [Errno 98] Address already in use` named neither
+    """Not `cannot start: [Errno 98] Address already in use`, which named neither
     the key nor the port. `tierkv up` says so before anything starts; a broker run
     by hand says the same."""
     with socket.socket() as taken:
@@ -482,7 +482,7 @@ def test_a_metrics_port_in_use_is_named_by_its_key_and_address(tmp_path, instanc
 
 def test_a_failed_start_does_not_call_its_own_leftovers_an_earlier_runs(tmp_path, instance,
                                                                        caplog):
-    """Issue 13.8: after its own broker failed at start, the supervisor logged that
+    """After its own broker failed at start, the supervisor must not log that
     it "cleaned up after an earlier run" about that broker's sockets."""
     caplog.set_level(logging.DEBUG, logger="tierkv.node.supervisor")
     with socket.socket() as taken:
@@ -499,7 +499,7 @@ def test_a_failed_start_does_not_call_its_own_leftovers_an_earlier_runs(tmp_path
 
 
 def test_a_child_that_prints_a_huge_line_costs_the_node_log_a_few_kib(tmp_path):
-    """Issue 20.2: one line of a child may be many MiB (a foreign value logged
+    """One line of a child may be many MiB (a foreign value logged
     whole); the supervisor's pump keeps a bounded prefix and its length."""
     from tierkv.node.lifecycle import spawn, stop
     from tierkv.node.logs import NodeLog

@@ -90,7 +90,7 @@ def test_goals_are_checked_in_the_note(record):
     vllm_disk = [r for r in rows if r.name.startswith(("disk store", "disk load"))
                  and "vLLM" in r.reference and r.ratio is not None]
     assert vllm_disk
-    for row in vllm_disk:  # issue 27: >= 1.2x vLLM's fs tier on every disk row
+    for row in vllm_disk:  # the goal: >= 1.2x vLLM's fs tier on every disk row
         expected = "met" if row.ratio.median >= 1.2 else "NOT met"
         assert f"goal >= 1.2x: {expected}" in row.note
     assert all("goal" not in r.note for r in rows if r.name.startswith("restart"))

@@ -1,4 +1,4 @@
-"""The suite never reads the user's caches (issue 23, item 1): a warm vLLM cache in
+"""The suite never reads the user's caches: a warm vLLM cache in
 ~/.cache/vllm once hid a package missing from the set-up."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The demo's report and plot must be trustworthy (issue 13.11-13.13): one accounting
+"""The demo's report and plot must be trustworthy: one accounting
 for every "served from" row, summing to 100 %; windows of the plot that are real
 windows of completed requests, never empty; the lookup figure split by what it
 waited on."""

@@ -1,4 +1,4 @@
-"""Log lines stay bounded whatever a peer sends (issue 20: 13 bad messages once
+"""Log lines stay bounded whatever a peer sends (13 bad messages once
 wrote 54 MB of log)."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def test_a_tier_is_overdue_only_a_grace_past_its_jobs_deadline():
 
 
 def test_a_tier_whose_breaker_is_open_answers_lookups_as_misses_at_once():
-    """Issue 13: a tier whose endpoint is down kept starting promotions that could
+    """A tier whose endpoint is down must not keep starting promotions that can
     only fail; with its circuit breaker open, its keys are misses until it closes."""
     now = [0.0]
     tier = RemoteTier("s3", lambda ident, msg: True, lambda: now[0])

@@ -1,4 +1,4 @@
-"""The run directory is this user's alone (issue 23.7): the default one lives under a
+"""The run directory is this user's alone: the default one lives under a
 directory every user can write, and was made with the umask's mode and trusted
 without a look at its owner, so another user could make it first and read or
 replace the node's sockets. Now every folder tierkv makes for it is made 0700, and

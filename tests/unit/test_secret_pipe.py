@@ -1,5 +1,5 @@
-"""A child's secrets travel over a pipe, read once, not in its environment (issue 24,
-F3: a peer's token in the environment stays readable in /proc/<pid>/environ for the
+"""A child's secrets travel over a pipe, read once, not in its environment
+(a peer's token in the environment stays readable in /proc/<pid>/environ for the
 process's whole life, to every process of its user, and is inherited by whatever it
 starts)."""
 

@@ -1,5 +1,5 @@
 """Tier entries are checked with the rest of the config, before anything starts
-(issue 13.6): each type's own options, found through the tier registry; one error
+— each type's own options, found through the tier registry; one error
 naming the key and the file; nothing imported that the check does not need (no
 boto3 without an s3 tier) and nothing contacted; `tierkv config --explain` prints
 every key, tier options included."""

@@ -275,7 +275,7 @@ def test_partial_promotion_keeps_the_keys_that_loaded(region):
 
 
 def test_cpu_full_of_busy_blocks_answers_pending_not_a_miss(region):
-    """Issue 13: a block on disk was a flat miss while every CPU block was busy, and
+    """A block on disk was once a flat miss while every CPU block was busy, and
     the engine recomputed what it could have loaded a step later."""
     a = MemoryTier(region, capacity_blocks=64, name="a")
     mgr = manager(region, a)
@@ -294,7 +294,7 @@ def test_cpu_full_of_busy_blocks_answers_pending_not_a_miss(region):
 
 
 def test_cpu_full_of_cascading_blocks_answers_pending(region):
-    """The case of issue 13: every CPU block pinned by cascades still in flight."""
+    """Every CPU block pinned by cascades still in flight: pending, not a miss."""
     slow = MemoryTier(region, capacity_blocks=64, name="slow", auto_complete=False)
     mgr = manager(region, slow)
     gpu_store(mgr, region, k(1))
@@ -531,7 +531,7 @@ class FailingBackend(MemoryBackend):
 
 
 def test_a_failed_promotion_backs_off_per_tier_instead_of_retrying_every_step(region, caplog):
-    """Issue 13: a promotion that failed for any cause but a lost key was retried at
+    """A promotion that failed for any cause but a lost key must not be retried at
     every lookup while the fault lasted (an S3 outage of a few seconds: ~1,000 jobs
     and 800 warning lines)."""
     now = [0.0]
@@ -605,7 +605,7 @@ class RecordingLocal(LocalTier):
 
 
 def test_a_lookup_leases_its_hits_to_the_request_until_it_loads_them(region):
-    """Issue 15: another engine sharing the broker could evict a block between an
+    """Another engine sharing the broker must not evict a block between an
     engine's lookup and its load; the lookup now leases the hits it reports."""
     mgr = manager(region, lease_s=60.0)
     gpu_store(mgr, region, k(1, 2, 3))

@@ -1,4 +1,4 @@
-"""Off the scheduler's critical path (issue 27): a store takes rows reserved ahead
+"""Off the scheduler's critical path: a store takes rows reserved ahead
 (no round trip in the step), a new request is looked up when vLLM adds it (answered
 in the step that first asks), and lookups queued together share a round trip. Each
 with the node's own account of what it holds: a real node (broker and disk tier

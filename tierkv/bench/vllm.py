@@ -23,7 +23,7 @@ Two figures, each against vLLM's own in-process back end in the same run:
   runs the rest at most), as on a loaded server: vLLM scans a queued request only
   once a running one makes room, steps after it was added. No forward pass and
   no copies: the step's transfers are reported done at once, for both back ends
-  alike. The goal (issue 27): at most 1.0x vLLM's step, and no more than LMCache MP's.
+  alike. The goal: at most 1.0x vLLM's step, and no more than LMCache MP's.
 * **LMCache 0.5.6 MP beside it**, where the peers' environment exists (`python -m
   tierkv.bench.peers.env` builds it; this never does): the same workloads with
   vLLM's `LMCacheMPConnector` and an LMCache cache server process

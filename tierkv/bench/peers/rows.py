@@ -29,7 +29,7 @@ HIGHER, LOWER = "higher", "lower"
 GOALS: list[tuple[str, str, float]] = [
     ("disk.store.", "lmcache", 2.0),
     ("disk.load.", "lmcache", 1.5),
-    ("disk.store.", "vllm", 1.2),  # issue 27: every disk row ahead of every peer by 1.2x
+    ("disk.store.", "vllm", 1.2),  # every disk row ahead of every peer by 1.2x
     ("disk.load.", "vllm", 1.2),
     ("manager.inprocess.", "vllm", 2.0),
     ("policy.conversation.4000.default.", "vllm:lru", 1.5),  # tierkv's default policy
