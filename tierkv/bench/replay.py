@@ -35,6 +35,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -390,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tierkv.workloads.synthetic import PRESETS
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--ttft" in argv:  # the TTFT simulation parses its own options (and --help)
+        from tierkv.bench.ttft_sim import main as ttft_main
+
+        return ttft_main([a for a in argv if a != "--ttft"])
     args = build_parser().parse_args(argv)
     if any(c <= 0 for c in args.capacities):
         raise SystemExit("tierkv replay: capacities must be positive")

@@ -239,13 +239,15 @@ class TieringManager:
         slower = self._skipped.note(run[m:])
         if slower:
             self._counters["slower_than_recompute"] += sum(slower)
+            self._explore(run[m:], slower, recompute, keys)
         retry = unknown and m == len(run)  # the run may go on: ask again after the check
         pending = False
-        waited = 0
+        waited = 0  # keys it waits on that are being promoted (the bound is for those)
         for key, holder in run[:m]:
             if holder < 0:
                 if not primary.is_ready(key):
-                    pending, waited = True, waited + 1
+                    pending = True
+                    waited += key in self._promoting
                 continue
             if not self._start_promotion(key, holder, req_id, keys):
                 retry = True  # no CPU room now (see `_scan`)
@@ -253,17 +255,45 @@ class TieringManager:
             pending, waited = True, waited + 1
         if req_id is None:
             return pending, retry, slower
-        if not pending:
+        if not waited:
+            # Nothing promoted to wait for (a block another engine is writing is
+            # bounded by that engine's own wait, `pending_wait_ms` in tierkv.vllm).
             if self._waits.end(req_id):
                 # It waited, and now computes: what is still on its way overran.
                 self._counters["promotions_overrun"] += sum(
-                    1 for key, holder in run if holder < 0 and not primary.is_ready(key))
-            return False, retry, slower
+                    1 for key, _ in run if key in self._promoting)
+            return pending, retry, slower
         if self._waits.past(req_id, now, recompute.wait_bound(waited)):
             # Past its bound: it computes, and the promotions land for later requests.
             self._counters["promotions_overrun"] += waited
             return False, False, slower
         return pending, retry, slower
+
+    def _explore(self, skipped: Sequence[tuple[OffloadKey, int]], counts: Sequence[int],
+                 recompute: Recompute, lookup: Sequence[OffloadKey]) -> None:
+        """Promote, in the background, the first keys a lookup left to recompute from
+        each idle tier: as many as that tier is expected to bring in the time the
+        engine takes to recompute them (at least one). The request does not wait for
+        them; its engine will not store them again (they are present), later requests
+        find them, and the tier's line is measured even while every lookup skips it
+        (a tier priced too slow would otherwise never be tried)."""
+        busy = {t for t, _ in self._queued_promotions}
+        for t, n in enumerate(counts):
+            costs = self.costs[t]
+            if not n or t in busy or costs.queued_bytes:
+                continue
+            line = costs.line
+            room = (recompute.seconds(n) - line.latency_s) * line.bandwidth / self.block_bytes
+            most = max(1, min(BACKGROUND_JOB_BLOCKS, int(room)))
+            started = 0
+            for key, holder in skipped:
+                if holder != t:
+                    continue
+                if started >= most or not self._start_promotion(key, t, None, lookup):
+                    break
+                self._skipped.forget(t, key)
+                started += 1
+            self._counters["background_promotions"] += started
 
     def _arrival(self, key: OffloadKey, now: float) -> float:
         """Expected seconds until a key in the CPU tier but not readable is: its
