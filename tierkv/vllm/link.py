@@ -21,6 +21,10 @@ anew, dropping what it held); what they did at the broker is then unknown, and t
 broker's own deadlines (`broker.reservation_s`, `broker.pin_s`) bound what it may
 still hold.
 
+Every reply names the broker's CPU region, new at each broker start: the link keeps
+the last one (`region`) and when it last heard from the broker (`heard_at`), so the
+manager can tell that rows it holds from before belong to a broker that is gone.
+
 Everything here runs on the thread that holds the manager's lock.
 """
 
@@ -32,7 +36,7 @@ from collections import deque
 from typing import Any
 
 from tierkv.client import Batch, BrokerUnavailable, Client, RemoteError
-from tierkv.wire.protocol import ProtocolError
+from tierkv.wire.protocol import OpsResult, ProtocolError
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -92,6 +96,8 @@ class BrokerLink:
         self.client = client
         self._out: deque[Call] = deque()  # sent, not answered, oldest first
         self._late: list[Call] = []
+        self.region = ""  # the broker's CPU region, as its last reply named it
+        self.heard_at = 0.0  # when a reply last came (monotonic)
         # At start, not in a step: the first calls find the connection up (one that
         # is not sends nothing and the manager goes on without the broker a while).
         client.connected(client.timeout)
@@ -141,6 +147,7 @@ class BrokerLink:
                     break
                 continue  # the oldest call may take longer than this wait: look again
             out.popleft()
+            self._heard(reply)
             try:
                 call._end(call.batch.read(reply), None, self._late)
             except FAILURES as e:
@@ -165,6 +172,12 @@ class BrokerLink:
                         len(self._out), CLOSE_WAIT_S)
         self.client.close()
 
+    def _heard(self, reply: Any) -> None:
+        self.heard_at = time.monotonic()
+        region = _region_of(reply)
+        if region:
+            self.region = region
+
     def _lost(self) -> None:
         """The oldest call had no reply within the client's timeout: it and every call
         after it end unanswered, and the connection is made anew."""
@@ -175,3 +188,14 @@ class BrokerLink:
         self.client.forget_posted()
         for call in calls:
             call._end(None, error, self._late)
+
+
+def _region_of(reply: Any) -> str:
+    """The CPU region an `ops` reply names ("" for a refusal, which names none)."""
+    result = getattr(reply, "result", None)
+    if isinstance(result, OpsResult):
+        return result.region
+    if isinstance(result, dict):
+        region = result.get("region", "")
+        return region if isinstance(region, str) else ""
+    return ""

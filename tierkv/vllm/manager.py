@@ -91,6 +91,7 @@ from tierkv.vllm.lookups import (
 )
 from tierkv.vllm.request_keys import request_keys
 from tierkv.vllm.rounds import Carried, Metrics, Rounds
+from tierkv.vllm.spares import TRUST_S, Spare, WaitingStore, WaitingStores
 from tierkv.vllm.tiers import NodeTiers
 from tierkv.wire.protocol import MAX_GROUPS, MAX_STEP_KEYS
 
@@ -137,9 +138,10 @@ class TierkvOffloadingManager(OffloadingManager):
         self.generation = 0
         self.keymap = KeyMap(identity.namespace(0))
         self.rounds = Rounds(client, options.budget_ms, options.retry_s, self._take_lookups,
-                             self._take_step, options.spare_rows)
+                             self._take_step, options.spare_rows, self._not_stored)
         self.spares = self.rounds.spares
         self.present = KnownPresent()
+        self._waiting = WaitingStores()  # stores that got no rows in their step
         self._stored_now: set[bytes] = set()  # chunks this engine stored since the step's end
         self.link = self.rounds.link
         self.holdings = self.rounds.holdings
@@ -449,7 +451,9 @@ class TierkvOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         self.rounds.catch_up()
+        req_id = req_context.req_id
         if self.rounds.down:
+            self._waiting.refused(req_id, len(keys), "the broker was unavailable")
             return None
         holdings, keymap, present = self.holdings, self.keymap, self.present
         offered = [bytes(k) for k in keys]
@@ -464,42 +468,80 @@ class TierkvOffloadingManager(OffloadingManager):
         if there:
             holdings.touch(keymap.keys(self._tail_first(there, req_context)))
         if not todo:
+            self._waiting.stored(req_id)
             return self._nothing_to_store()
-        spares = self.spares.take(len(todo))
-        if spares is not None:
-            return self._reserved(todo, req_context.req_id, [s.row for s in spares],
-                                  self.spares.region, req_context, [s.key for s in spares])
+        spares = self._spares_for(req_id, len(todo))
+        if len(spares) == len(todo):
+            self._waiting.stored(req_id)
+            return self._reserved(todo, req_id, [s.row for s in spares], self.spares.region,
+                                  req_context, [s.key for s in spares])
+        region = self.spares.region  # the spares' (a reply may void them)
+        rest = todo[len(spares):]
+        reply = self._reserve_rest(req_id, rest)
+        if spares and self.spares.region != region:
+            # The broker restarted: the spares taken are void (not given back), and the
+            # rows just reserved are let go of (offered again, the job gets fresh ones).
+            if not isinstance(reply, str):
+                self.holdings.commit([k for k, row in zip(keymap.keys(rest), reply.block_ids,
+                                                          strict=True) if row >= 0], False)
+            reply = "the broker restarted"
+        elif isinstance(reply, str):
+            self.spares.give_back(spares)
+        if isinstance(reply, str):
+            self._waiting.refused(req_id, len(todo), reply)
+            return None  # offered again next step
+        self._waiting.stored(req_id)
+        return self._reserved(todo, req_id, [s.row for s in spares] + list(reply.block_ids),
+                              reply.region, req_context, [s.key for s in spares])
+
+    def _spares_for(self, req_id: str, n: int) -> list[Spare]:
+        """Up to `n` spare rows for a store; none while the broker has been silent
+        `TRUST_S` (it may have restarted: the store's own reservation, answered, says
+        so). A store that waits for rows waits first for the end-of-step round trip
+        that reserves spares for it (`SpareRows.want`), within the step's budget."""
+        flush = self.rounds.flush
+        if req_id in self._waiting and flush is not None and self.rounds.can_wait():
+            if self.rounds.wait(flush, abandon=False):
+                self.rounds.catch_up()
+        if time.monotonic() - self.link.heard_at > TRUST_S:
+            return []
+        return self.spares.take(n)
+
+    def _reserve_rest(self, req_id: str, chunks: list[bytes]) -> Any:
+        """Reserve rows for `chunks` in a round trip of its own, within the step's
+        budget: the broker's reply, or why there are none (a string)."""
         if not self.rounds.can_wait():
             self.rounds.stats.increase_counter(Metrics.OVER_BUDGET)
-            return None  # offered again next step
-        req_id = req_context.req_id
+            return "the step's budget_ms was spent"
         batch, carried = self.rounds.open(self.generation)
-        carried.reserve = self.keymap.keys(todo)
+        carried.reserve = self.keymap.keys(chunks)
         batch.reserve(carried.reserve, req_id)
         call = self.rounds.send((batch, carried))
         if not self.rounds.wait(call):
-            return None
+            return "the broker did not answer within the step's budget_ms"
         self.rounds.apply(call)
         reply = call.results[-1] if call.results is not None else None
         if reply is None or isinstance(reply, RemoteError) or not reply.ok:
             if isinstance(reply, RemoteError):
                 self._warn.warning("reserve", "tierkv refused a reservation: %s", reply)
             self.rounds.stats.increase_counter(Metrics.REFUSED_BLOCKS, len(carried.reserve))
-            return None  # no room now: offered again next step
-        return self._reserved(todo, req_id, reply.block_ids, reply.region, req_context)
+            if isinstance(reply, RemoteError):
+                return f"refused: {reply}"
+            return "the broker did not answer" if reply is None else "no room in the CPU tier"
+        return reply
 
     def _reserved(self, todo: list[bytes], req_id: str, rows: Sequence[int], region: str,
                   ctx: ReqContext, spares: Sequence[bytes] = ()) -> PrepareStoreOutput:
         """The chunks a reservation gave rows to are this job's; the others are
-        present (a use of them) or not admitted. With `spares`, the rows are those
-        spare rows' (`spares.py`), committed as the chunks' keys."""
+        present (a use of them) or not admitted. With `spares`, the first chunks' rows
+        are those spare rows' (`spares.py`), committed as the chunks' keys."""
         stored: list[bytes] = []
         stored_rows: list[int] = []
         present: list[bytes] = []
         for i, (chunk, row) in enumerate(zip(todo, rows, strict=True)):
             if row >= 0:
                 key = self.keymap.key(chunk)
-                if spares:
+                if i < len(spares):
                     self.holdings.reserved(chunk, req_id, [spares[i]], written_as=key)
                 else:
                     self.holdings.reserved(chunk, req_id, [key])
@@ -531,6 +573,12 @@ class TierkvOffloadingManager(OffloadingManager):
                 self.present.add(key)
                 self._stored_now.add(chunk)
 
+    def _not_stored(self, keys: list[bytes]) -> None:
+        """Keys a store wrote whose commit the broker refused: not present, so a later
+        offer of them stores them again."""
+        for key in keys:
+            self.present.forget(key)
+
     def storing(self, spec: TierkvLoadStoreSpec) -> bool:
         """Whether the store job of `spec` still holds a reservation."""
         return any(self.holdings.writing.get(c) is not None
@@ -551,11 +599,21 @@ class TierkvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        # vLLM offered the request's last store before this (`_build_store_jobs`).
+        waiting = self._waiting.ended(req_context.req_id)
+        if waiting is not None:
+            self._dropped(req_context.req_id, waiting)
         self._queued.pop(req_context.req_id, None)
         state = self._requests.pop(req_context.req_id, None)
         if state is not None:
             self._unpin(state, list(state.rows))
         self.holdings.finish(req_context.req_id)
+
+    def _dropped(self, req_id: str, waiting: WaitingStore) -> None:
+        """A request ended before its store found rows: its blocks are not stored."""
+        self.rounds.stats.increase_counter(Metrics.DROPPED_BLOCKS, waiting.blocks)
+        self._warn.warning("dropped", "tierkv: request %s ended before its store found rows "
+                           "(%s): %d blocks not stored", req_id, waiting.why, waiting.blocks)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.rounds.catch_up()
@@ -587,6 +645,7 @@ class TierkvOffloadingManager(OffloadingManager):
                     state.asks[chunk] = None
             state.expires = min(map(_UNTIL, state.answers.values()), default=NEVER)
         self.spares.step_ended()
+        self.spares.want(self._waiting.rows())
         owed = self.holdings.owed
         asked = any(map(_ASKS, self._requests.values()))
         due = owed and (self._idle or time.monotonic() - owed.since >= self.options.flush_s)

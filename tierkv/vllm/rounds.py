@@ -8,7 +8,10 @@ manager waits for one only as long as the step's budget has left (`wait`); one i
 gave up is settled when it comes back (`catch_up`, on the scheduler thread): its
 owed operations confirmed or owed again, its lookups' pins released, its reserved
 rows aborted. One that gets no reply within `timeout_s` marks the broker down for
-`retry_s`.
+`retry_s`. A reply from another broker than the spare rows' (a restart: its region is
+new) voids them; a commit of spare rows refused `not_owner` or `stale_region` (they
+were reserved at a broker that is gone) voids the others too, and the blocks written
+into them are no longer known present, so a later offer stores them again.
 
 Runs on the scheduler thread, under the manager's lock.
 """
@@ -27,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 
 from tierkv.client import Batch, BrokerUnavailable, Client, RemoteError
+from tierkv.core.errors import ErrorCode
 from tierkv.core.loglimit import RateLimitedLog
 from tierkv.vllm.holdings import Holdings, Owed
 from tierkv.vllm.link import BrokerLink, Call
@@ -42,6 +46,7 @@ class Metrics:
     HIT_KEYS = "vllm:tierkv_hit_keys"
     STORED_BLOCKS = "vllm:tierkv_stored_blocks"
     REFUSED_BLOCKS = "vllm:tierkv_store_refused_blocks"
+    DROPPED_BLOCKS = "vllm:tierkv_store_dropped_blocks"
     ROUND_TRIPS = "vllm:tierkv_round_trips"
     ROUND_TRIP_SECONDS = "vllm:tierkv_round_trip_seconds"
     BROKER_FAILURES = "vllm:tierkv_broker_failures"
@@ -66,6 +71,8 @@ class Carried:
 
 
 TakeLookups = Callable[[Carried, Sequence[Any] | None, bool], None]
+# A commit of spare rows refused so: they were reserved at a broker that is gone.
+VOID_SPARES = frozenset({ErrorCode.NOT_OWNER.value, ErrorCode.STALE_REGION.value})
 
 
 class Rounds:
@@ -73,7 +80,8 @@ class Rounds:
 
     def __init__(self, client: Client, budget_ms: float, retry_s: float,
                  take_lookups: TakeLookups, take_step: Callable[[Any], None],
-                 spare_rows: int = 0) -> None:
+                 spare_rows: int = 0,
+                 not_stored: Callable[[list[bytes]], None] = lambda keys: None) -> None:
         self.link = BrokerLink(client)
         self.holdings = Holdings()
         self.spares = SpareRows(spare_rows)
@@ -84,6 +92,7 @@ class Rounds:
         self.retry_s = retry_s
         self._take_lookups = take_lookups
         self._take_step = take_step
+        self._not_stored = not_stored  # keys a refused commit did not store
         self._budget_s = budget_ms / 1e3
         self._down_until = 0.0
         self._warn = RateLimitedLog(log)
@@ -173,6 +182,7 @@ class Rounds:
         went on without it, so its answers and reservations are let go)."""
         carried: Carried = call.carried
         results = call.results
+        self.spares.new_region(self.link.region)
         if call.error is not None:
             lost = isinstance(call.error, BrokerUnavailable)
             self._failed(call.error)
@@ -192,6 +202,7 @@ class Rounds:
         self.stats.increase_counter(Metrics.ROUND_TRIPS)
         self.stats.observe_histogram(Metrics.ROUND_TRIP_SECONDS,
                                      time.monotonic() - call.sent_at)
+        self._void_spares(carried.owed, results)
         self.holdings.settle(carried.owed, results[:carried.owed_slots])
         self._take_lookups(carried, results, told)
         if carried.reserve is not None and not told:
@@ -203,6 +214,18 @@ class Rounds:
             self._take_spares(carried, results[carried.spares_slot])
         if carried.step:
             self._take_step(results[-1])
+
+    def _void_spares(self, owed: Owed, results: Sequence[Any]) -> None:
+        """Commits of spare rows the broker does not hold (`VOID_SPARES`): those
+        blocks were not stored, and the other spares, as old, are let go of (those of
+        a broker that is gone were forgotten already: `SpareRows.new_region`), so the
+        next stores reserve fresh rows."""
+        at = len(owed.commits)
+        for group, result in zip(owed.commits_as, results[at:], strict=False):
+            if (isinstance(result, RemoteError) and result.code in VOID_SPARES
+                    and not group.again):  # (one sent again: its first try may have done it)
+                self.holdings.commit(self.spares.drop_all(), False)
+                self._not_stored(group.written_as)
 
     def _take_spares(self, carried: Carried, reply: Any) -> None:
         refused = isinstance(reply, RemoteError) or not reply.ok

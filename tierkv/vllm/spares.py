@@ -15,8 +15,19 @@ How many: twice the most rows a step took lately (`SpareRows.wanted`), within
 left past `broker.reservation_s`, 60 s by default, and a spare written after that is
 freed at its commit, not stored); an engine idle so long that its spares went
 `STALE_S` without renewal lets them go instead of writing into them. A broker that
-restarted (another region) voids them all. The broker counts spares against the
-engine's share like any reservation.
+restarted (another region, in any reply: `BrokerLink.region`) voids them all: they
+are forgotten, never committed to the new broker, which knows nothing of them; and
+spares are handed out only while the broker answered within `TRUST_S`, so the first
+store after a silence reserves rows of its own, whose reply names the region. The
+broker counts spares against the engine's share like any reservation.
+
+A store short of spares takes what there are and reserves the rest: on a node whose
+rows are all reserved or pinned (requests admitted together), the spares are the
+room it has. A store that got no rows waits in vLLM's queue of stores (it offers them
+again each step while the request runs); `want` raises the demand by what those
+waiting stores lack, asked for in the end-of-step round trip even within a
+refusal's back-off, and no more than that while the node is tight, so that the
+next offer finds them.
 
 Runs on the scheduler thread, under the manager's lock.
 """
@@ -31,6 +42,7 @@ from dataclasses import dataclass
 RENEW_S = 20.0  # well inside the broker's default reservation deadline (60 s)
 STALE_S = 40.0  # not renewed this long: perhaps withdrawn, never used
 REFUSED_S = 1.0  # the broker gave no rows: ask again after this long
+TRUST_S = 1.0  # no reply for this long: the broker may have restarted since
 DECAY_STEPS = 200  # steps after which the demand seen falls by half
 PREFIX = b"\xffspare"  # no namespace starts so (they are hashes; the odds are 2^-48)
 
@@ -55,16 +67,18 @@ class SpareRows:
         self._taken = 0  # rows taken this step
         self._steps = 0
         self._refused_until = 0.0  # the broker had no room: ask again after this
+        self._waiting = 0  # rows stores that got none are short of (`want`)
         self._prefix = PREFIX + os.urandom(10)
         self._serial = itertools.count()
 
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, n: int) -> list[Spare] | None:
-        """`n` spares for one store job, or None if there are not so many. Spares
-        not renewed for `STALE_S` (an engine idle that long renews nothing) may have
-        been withdrawn by the broker: they are let go of (`take_stale`), not used."""
+    def take(self, n: int) -> list[Spare]:
+        """Up to `n` spares for one store job, oldest first (fewer if there are not so
+        many: the job reserves the rest). Spares not renewed for `STALE_S` (an engine
+        idle that long renews nothing) may have been withdrawn by the broker: they
+        are let go of (`take_stale`), not used."""
         self._taken += n  # the demand, whether served here or not
         free = self._free
         now = self.now()
@@ -73,9 +87,18 @@ class SpareRows:
             if now - oldest.since <= STALE_S:
                 break
             self._stale.append(free.pop(oldest.key).key)
-        if n > len(free) or n == 0:
-            return None
         return [free.pop(k) for k in list(itertools.islice(free, n))]
+
+    def give_back(self, spares: list[Spare]) -> None:
+        """Spares `take` gave to a job that was not made: free again, first in line
+        (they are the oldest)."""
+        if spares:
+            self._free = {**{s.key: s for s in spares}, **self._free}
+
+    def want(self, rows: int) -> None:
+        """Stores waiting for rows lack `rows` in all (the manager's retry list): the
+        next round trip asks for what the free spares do not cover."""
+        self._waiting = rows
 
     def take_stale(self) -> list[bytes]:
         stale, self._stale = self._stale, []
@@ -91,8 +114,9 @@ class SpareRows:
 
     @property
     def _wanted(self) -> int:
-        """Spares to hold: twice the most a step took lately, within `most`."""
-        return min(self.most, int(2 * self._peak))
+        """Spares to hold: twice the most a step took lately (at least what waiting
+        stores lack), within `most`."""
+        return min(self.most, max(int(2 * self._peak), self._waiting))
 
     def short(self) -> bool:
         """Fewer spares than the demand (or some due for renewal, or to let go of):
@@ -101,6 +125,7 @@ class SpareRows:
             return False
         oldest = next(iter(self._free.values()), None)
         return (len(self._free) < self._wanted // 2 or bool(self._stale)
+                or len(self._free) < self._waiting
                 or (oldest is not None and self.now() - oldest.since > RENEW_S))
 
     def to_reserve(self, now: float) -> tuple[list[bytes], int]:
@@ -108,9 +133,13 @@ class SpareRows:
         ones up to the demand; and how many of them are new."""
         renew = [s.key for s in itertools.takewhile(lambda s: now - s.since > RENEW_S,
                                                      self._free.values())]
-        if now < self._refused_until:
+        lacking = self._waiting - len(self._free) - self._asked
+        if lacking > 0:  # only what waiting stores lack: a tight node may have that
+            wanted = min(lacking, self.most)
+        elif now < self._refused_until:
             return renew, 0
-        wanted = self._wanted - len(self._free) - self._asked
+        else:
+            wanted = self._wanted - len(self._free) - self._asked
         new = [self._prefix + next(self._serial).to_bytes(8, "big")
                for _ in range(max(0, wanted))]
         self._asked += len(new)
@@ -154,6 +183,53 @@ class SpareRows:
         self._free.clear()
         return keys
 
+    def new_region(self, region: str) -> None:
+        """A reply named `region`: if it is another broker's than the spares', they
+        are void (that broker is gone; the new one never reserved them)."""
+        if region and region != self.region:
+            self.drop_all()
+            self.region = region
+
     @staticmethod
     def now() -> float:
         return time.monotonic()
+
+
+@dataclass(slots=True)
+class WaitingStore:
+    blocks: int  # the blocks of its last offer
+    why: str  # why that offer got no rows
+
+
+class WaitingStores:
+    """Stores that got no rows in their step, by request: vLLM offers them again each
+    step while the request runs (its blocks are in vLLM's cache), and the manager
+    reserves ahead for them (`SpareRows.want`). A request that ends with its store
+    still here had it dropped for good: the manager counts and logs that. Bounded by
+    vLLM's running requests; past `MOST` the oldest is forgotten (not counted: vLLM
+    may still store it)."""
+
+    MOST = 4096
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, WaitingStore] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._by_request
+
+    def refused(self, req_id: str, blocks: int, why: str) -> None:
+        self._by_request.pop(req_id, None)  # to the end: the oldest stay first
+        self._by_request[req_id] = WaitingStore(blocks, why)
+        while len(self._by_request) > self.MOST:
+            del self._by_request[next(iter(self._by_request))]
+
+    def stored(self, req_id: str) -> None:
+        self._by_request.pop(req_id, None)
+
+    def ended(self, req_id: str) -> WaitingStore | None:
+        """The request ended: its store, if it still waited (then dropped for good)."""
+        return self._by_request.pop(req_id, None)
+
+    def rows(self) -> int:
+        """The rows the waiting stores need in all."""
+        return sum(w.blocks for w in self._by_request.values())

@@ -81,6 +81,8 @@ class TierkvOffloadingSpec(OffloadingSpec):
             Metrics.STORED_BLOCKS: counter("Blocks the tierkv node reserved for stores."),
             Metrics.REFUSED_BLOCKS: counter(
                 "Blocks not reserved for a store: no room in the CPU tier now."),
+            Metrics.DROPPED_BLOCKS: counter(
+                "Blocks never stored: their request ended before its store found rows."),
             Metrics.ROUND_TRIPS: counter("Round trips to the tierkv broker."),
             Metrics.BROKER_FAILURES: counter(
                 "Round trips the tierkv broker did not answer in time, or refused."),
