@@ -89,6 +89,7 @@ from tierkv.vllm.lookups import (
     hits_in,
     read_answers,
 )
+from tierkv.vllm.prefill import PrefillRate
 from tierkv.vllm.request_keys import request_keys
 from tierkv.vllm.rounds import Carried, Metrics, Rounds
 from tierkv.vllm.spares import TRUST_S, Spare, WaitingStore, WaitingStores
@@ -142,6 +143,10 @@ class TierkvOffloadingManager(OffloadingManager):
         self.spares = self.rounds.spares
         self.present = KnownPresent()
         self._waiting = WaitingStores()  # stores that got no rows in their step
+        # What recomputing costs this engine (`tierkv.vllm.prefill`), set by the spec;
+        # the connector sends it with every step's lookups.
+        self.prefill: PrefillRate | None = None
+        self.key_tokens = 0  # tokens one chunk (a node key) covers
         self._stored_now: set[bytes] = set()  # chunks this engine stored since the step's end
         self.link = self.rounds.link
         self.holdings = self.rounds.holdings
