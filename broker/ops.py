@@ -5,7 +5,8 @@ counts into it (`tierkv.wire.protocol`); this module splits the blob once (in C)
 runs the sections in their fixed order, group by group, and answers with arrays.
 A group that fails (a key that is not ready to pin, a block state the manager
 refuses) becomes an `OpError` naming its section and index; the other groups run.
-Socket-free: `BrokerCore` hands it decoded requests and sends what it returns.
+Socket-free: `BrokerCore` hands it decoded requests and sends what it returns. It is
+built from the parts it works on, not from the core, so it reads (and tests) alone.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from broker.owners import Owner, OwnerRefused
+from broker.events import EventRouter
+from broker.owners import Owner, OwnerRefused, OwnerTable
 from tierkv.core.costs import Recompute, recompute_for
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
 from tierkv.core.policies.hints import RequestHints, hints_from_kv_hints
 from tierkv.core.primary import BlockStateError
-from tierkv.core.tiering import HIT
+from tierkv.core.tiering import HIT, TieringManager
 from tierkv.wire.codec import BadRequest
 from tierkv.wire.keyblob import pack_keys, unpack_counts, unpack_keys
 from tierkv.wire.protocol import (
@@ -33,9 +35,6 @@ from tierkv.wire.protocol import (
     OpsRequest,
     RequestContext,
 )
-
-if TYPE_CHECKING:
-    from broker.core import BrokerCore
 
 REMEMBERED_CONTEXTS = 100_000  # requests whose context the broker keeps (the oldest go)
 
@@ -93,9 +92,28 @@ class _Groups:
         return self.end - self.offsets[0]
 
 
+# GPU -> CPU on every rank: (job id, keys accepted, refused); see `BrokerCore.store`.
+StoreEntry = Callable[[bytes, list[OffloadKey], list[int], str | None, list[str]],
+                      tuple[int | None, list[OffloadKey], bool]]
+# CPU -> GPU on every rank: (job id, blocks promoted from each tier); `BrokerCore.load`.
+LoadEntry = Callable[[bytes, list[OffloadKey], list[int], str | None, list[str]],
+                     tuple[int, dict[str, int]]]
+
+
 class StepOps:
-    def __init__(self, core: BrokerCore) -> None:
-        self.core = core
+    """Runs one `OpsRequest`'s sections on the broker's thread; never blocks."""
+
+    def __init__(self, manager: TieringManager, owners: OwnerTable, events: EventRouter,
+                 clock: Callable[[], float], region_id: str, store: StoreEntry,
+                 load: LoadEntry, counters: dict[str, int]) -> None:
+        self.manager = manager
+        self.owners = owners
+        self.events = events
+        self.clock = clock
+        self.region_id = region_id  # every reply names it: see `OpsResult.region`
+        self.store = store  # transfers need workers, which the core holds
+        self.load = load
+        self.counters = counters  # the core's, where a refused reservation is counted
         # By the owner's request id, until the request finishes: the context, and
         # the hints the policy reads of it.
         self.contexts: dict[str, tuple[RequestContext, RequestHints | None]] = {}
@@ -120,8 +138,8 @@ class StepOps:
                 at = sections[name].end
         contexts = [(owner.scope(c.req_id), c, _hints(c, i)) for i, c in enumerate(msg.contexts)]
         # Every reply names the region: a client tells a restarted broker by it.
-        out: dict[str, Any] = {"errors": [], "region": self.core.region_id}
-        manager = self.core.manager
+        out: dict[str, Any] = {"errors": [], "region": self.region_id}
+        manager = self.manager
         errors: list[OpError] = out["errors"]
 
         def each(name: str, fn: Callable[[int, str | None, list[OffloadKey]], None]) -> None:
@@ -133,8 +151,8 @@ class StepOps:
                 except (BlockStateError, ValueError, TierError) as e:
                     errors.append(OpError(name, i, ErrorCode.BAD_REQUEST.value, str(e)))
 
-        owners = self.core.owners
-        if msg.region and msg.region != self.core.region_id:
+        owners = self.owners
+        if msg.region and msg.region != self.region_id:
             self._refuse_stale_commits(owner, sections, msg.region, out)
         if "commit" in sections:
             ok = np.frombuffer(msg.commit_ok, dtype=np.uint8)
@@ -181,7 +199,7 @@ class StepOps:
         its own; statuses and sources come back for every key when any group asked.
         `recompute`: what the engine said recomputing costs it (a request's context
         may give its own budget), for the load-or-recompute rule."""
-        manager = self.core.manager
+        manager = self.manager
         hits: list[int] = []
         state: list[int] = []
         statuses: list[int] = []
@@ -227,8 +245,8 @@ class StepOps:
             out["tiers"] = [t.name for t in manager.tiers]
         if pin:
             out["rows"] = np.asarray(rows, np.int32).tobytes()
-            out["region"] = self.core.region_id
-            out["pin_s"] = self.core.owners.pin_s
+            out["region"] = self.region_id
+            out["pin_s"] = self.owners.pin_s
 
     def _pin_hits(self, owner: Owner, keys: list[OffloadKey], req_id: str | None, hits: int,
                   status: list[int] | None) -> list[int]:
@@ -241,11 +259,11 @@ class StepOps:
         if where:
             pinned = [keys[i] for i in where]
             try:
-                self.core.owners.check_room(owner, len(pinned))
-                ids = self.core.manager.prepare_load(pinned, req_id)
+                self.owners.check_room(owner, len(pinned))
+                ids = self.manager.prepare_load(pinned, req_id)
             except (BlockStateError, ValueError, OwnerRefused):
                 return rows  # nothing pinned: the hits read as misses
-            self.core.owners.pinned(owner, pinned, self.core.clock())
+            self.owners.pinned(owner, pinned, self.clock())
             for i, block_id in zip(where, ids, strict=True):
                 rows[i] = block_id
         return rows
@@ -253,23 +271,22 @@ class StepOps:
     def _pin(self, owner: Owner, groups: _Groups, out: dict[str, Any], each: Any) -> None:
         pinned = np.full(groups.total, -1, np.int32)
         base = groups.offsets[0]
-        owners = self.core.owners
+        owners = self.owners
 
         def pin(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
             owners.check_room(owner, len(keys))
-            ids = self.core.manager.prepare_load(keys, req_id)
-            owners.pinned(owner, keys, self.core.clock())
+            ids = self.manager.prepare_load(keys, req_id)
+            owners.pinned(owner, keys, self.clock())
             start = groups.offsets[i] - base
             pinned[start:start + len(ids)] = ids
 
         each("pin", pin)
         out["pinned"] = pinned.tobytes()
-        out["region"] = self.core.region_id
-        out["pin_s"] = self.core.owners.pin_s
+        out["region"] = self.region_id
+        out["pin_s"] = self.owners.pin_s
 
     def _reserve(self, owner: Owner, groups: _Groups, out: dict[str, Any]) -> None:
-        core = self.core
-        manager, owners, now = core.manager, core.owners, core.clock()
+        manager, owners, now = self.manager, self.owners, self.clock()
         reserved = np.full(groups.total, -1, np.int32)
         ok = np.zeros(len(groups), np.uint8)
         evicted: list[OffloadKey] = []
@@ -291,18 +308,18 @@ class StepOps:
                 continue
             result = manager.prepare_store(keys)
             if result is None:
-                core.counters["stores_refused"] += 1
+                self.counters["stores_refused"] += 1
                 continue
             ok[i] = 1
             evicted.extend(result.evicted_keys)
             if result.keys_to_store:
                 owners.reserved(owner, result.keys_to_store, now)
-                core.events.own(owner.identity, result.keys_to_store)
+                self.events.own(owner.identity, result.keys_to_store)
                 for key, block_id in zip(result.keys_to_store, result.block_ids, strict=True):
                     reserved[start + where[key]] = block_id
         blob, width, lens = pack_keys(evicted)
         out.update(reserved=reserved.tobytes(), reserve_ok=ok.tobytes(), evicted=blob,
-                   region=self.core.region_id,
+                   region=self.region_id,
                    evicted_lens=lens if lens else bytes([width]) * len(evicted))
 
     def _refuse_stale_commits(self, owner: Owner, sections: dict[str, _Groups], region: str,
@@ -313,7 +330,7 @@ class StepOps:
         the rows are freed now rather than at the reservation's deadline."""
         errors: list[OpError] = out["errors"]
         message = (f"rows written into CPU region {region!r}, but this broker serves "
-                   f"{self.core.region_id!r}: map the region again and rewrite them")
+                   f"{self.region_id!r}: map the region again and rewrite them")
         for name in ("commit", "commit_as"):
             groups = sections.pop(name, None)
             if groups is None:
@@ -321,7 +338,7 @@ class StepOps:
             for i, _req_id, keys in groups:
                 reserved = keys[:len(keys) // 2] if name == "commit_as" else keys
                 try:
-                    self.core.owners.commit(owner, reserved, False)
+                    self.owners.commit(owner, reserved, False)
                 except (GroupFailed, OwnerRefused, BlockStateError, ValueError):
                     pass  # not this client's reservation (any more): nothing to free
                 errors.append(OpError(name, i, ErrorCode.STALE_REGION.value, message))
@@ -339,12 +356,12 @@ class StepOps:
                 if len(keys) % 2:
                     raise GroupFailed(ErrorCode.BAD_REQUEST, f"{len(keys)} keys: a reserved "
                                       "key and the key it was written with, in two halves")
-                done = self.core.owners.commit_as(owner, keys[:half], keys[half:])
+                done = self.owners.commit_as(owner, keys[:half], keys[half:])
             except (GroupFailed, OwnerRefused) as e:
                 errors.append(OpError("commit_as", i, e.code.value, str(e)))
             else:
                 stored[at:at + half] = done
-                self.core.events.own(owner.identity, [k for k, ok in zip(keys[half:], done,
+                self.events.own(owner.identity, [k for k, ok in zip(keys[half:], done,
                                                                          strict=True) if ok])
             at += half
         out["stored_as"] = stored.tobytes()
@@ -359,7 +376,7 @@ class StepOps:
 
         def store(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
             a, b = groups.offsets[i] - base, groups.offsets[i + 1] - base
-            job_id, taken, was_refused = self.core.store(client, keys, gpu_ids[a:b].tolist(),
+            job_id, taken, was_refused = self.store(client, keys, gpu_ids[a:b].tolist(),
                                                          req_id, tokens)
             jobs[i], refused[i] = -1 if job_id is None else job_id, was_refused
             if taken:
@@ -379,7 +396,7 @@ class StepOps:
 
         def load(i: int, req_id: str | None, keys: list[OffloadKey]) -> None:
             a, b = groups.offsets[i] - base, groups.offsets[i + 1] - base
-            jobs[i], sources[i] = self.core.load(client, keys, gpu_ids[a:b].tolist(), req_id,
+            jobs[i], sources[i] = self.load(client, keys, gpu_ids[a:b].tolist(), req_id,
                                                  tokens)
 
         each("load", load)

@@ -29,9 +29,8 @@ import zmq
 
 from tierkv.core.loglimit import RateLimitedLog, foreign
 from tierkv.core.shm import RegionError, SharedRegion
-from tierkv.node.lifecycle import SUPERVISED_ENV
 from tierkv.node.children import take_token
-from tierkv.node.lifecycle import lifeline_fd, notify_ready, parent_gone
+from tierkv.node.lifecycle import SUPERVISED_ENV, lifeline_fd, notify_ready, parent_gone
 from tierkv.wire.protocol import (
     Bye,
     Heartbeat,

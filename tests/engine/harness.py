@@ -63,13 +63,29 @@ def node_config(instance: str, run_dir: Path, cpu_blocks: int,
     }, "<tests/engine node>")
 
 
+def node_config_with_tiers(instance: str, run_dir: Path, cpu_blocks: int,
+                           tiers: list[dict[str, Any]]) -> Config:
+    """`node_config` with any lower tiers (entries as in a node's config file): a
+    test restarts a node with another set of them (`EngineNode.restart_with`)."""
+    return config_from_dict({
+        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
+        "cpu": {"num_blocks": cpu_blocks, "page_size": PAGE, "world_size": 1},
+        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
+                   "owner_share": 1.0},
+        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
+        "worker": {"enabled": False},
+        "tiers": tiers,
+    }, "<tests/engine node>")
+
+
 class EngineNode:
     """A node (broker and tier processes) that can be restarted on its run directory
     (the disk tier keeps its blocks; the CPU tier starts empty)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, python: str = sys.executable) -> None:
         self.config = config
-        self.node = Node(config)
+        self.python = python  # of the node's processes (an S3 tier needs boto3)
+        self.node = Node(config, python=python)
         self.run_dir = config.run_path
 
     def start(self) -> EngineNode:
@@ -81,8 +97,15 @@ class EngineNode:
 
     def restart(self) -> None:
         self.node.stop()
-        self.node = Node(self.config)
+        self.node = Node(self.config, python=self.python)
         self.node.start()
+
+    def restart_with(self, config: Config) -> None:
+        """Restart on `config` (the same instance and run directory, other tiers)."""
+        if (config.instance, config.run_path) != (self.config.instance, self.run_dir):
+            raise ValueError("a node restarts on its own instance and run directory")
+        self.config = config
+        self.restart()
 
     @property
     def config_path(self) -> Path:

@@ -11,8 +11,13 @@ import pytest
 
 from tests.conftest import new_instance
 from tests.integration.cluster import LAYOUT, keys, leftovers, make_config
-from tests.integration.test_supervisor import (all_ready, child_pids, start_supervisor,
-                                               stop_supervisor, wait_status)
+from tests.integration.test_supervisor import (
+    all_ready,
+    child_pids,
+    start_supervisor,
+    stop_supervisor,
+    wait_status,
+)
 from tierkv.client import Client, RemoteError
 from tierkv.core.shm import SharedRegion
 from tierkv.engine import KVLayout, allocate_kv_cache

@@ -20,7 +20,7 @@ from tierkv.tiers.base import Job, JobKind
 from tierkv.tiers.registry import TierConfigError, create_backend
 from tierkv.tiers.runner import JobRunner
 from workers.disk import HEADER_AREA, DiskBackend, namespace_dir, slot_bytes_for
-from workers.disk import backend as disk_backend
+from workers.disk import startup as disk_startup
 
 BLOCK = 8192
 SLOT = slot_bytes_for(BLOCK)
@@ -158,7 +158,7 @@ def test_restart_recovers_10000_blocks_fast_with_progress(make, monkeypatch, cap
     for n in range(10_000):
         backend.store(key(n), memoryview(payload(n, 512)))
     backend.close()
-    monkeypatch.setattr(disk_backend, "SCAN_PROGRESS_SLOTS", 2500)
+    monkeypatch.setattr(disk_startup, "SCAN_PROGRESS_SLOTS", 2500)
     caplog.set_level(logging.INFO, logger="tierkv.disk")
     t0 = time.perf_counter()
     again = make(slots=10_000, block_bytes=512)

