@@ -127,6 +127,16 @@ class PeerLinks:
             self._reply(pending.client, pending.request_id, False,
                         error=ErrorInfo(ErrorCode.BAD_REQUEST.value, msg.error))
 
+    def _ready_peer(self, kind: str, identity: bytes, now: float) -> Any:
+        """The peer a message on the `kind` link came from, if it said hello there;
+        otherwise it is refused (and counted) and None is returned."""
+        peer = self.peers.seen(identity, now)
+        if peer is None or peer.state is not PeerState.READY or peer.kind != kind:
+            self.counters["protocol_errors"] += 1
+            self._send(kind, identity, Refused("say hello first"))
+            return None
+        return peer
+
     # -- worker link -----------------------------------------------------------------
 
     def on_worker(self, identity: bytes, msg: Message) -> None:
@@ -134,10 +144,8 @@ class PeerLinks:
         if isinstance(msg, WorkerHello):
             self._worker_hello(identity, msg, now)
             return
-        peer = self.peers.seen(identity, now)
-        if peer is None or peer.state is not PeerState.READY or peer.kind != "worker":
-            self.counters["protocol_errors"] += 1
-            self._send("worker", identity, Refused("say hello first"))
+        peer = self._ready_peer("worker", identity, now)
+        if peer is None:
             return
         if isinstance(msg, TransferDoneBatch):
             rank = peer.extra["rank"]
@@ -214,10 +222,8 @@ class PeerLinks:
         if isinstance(msg, TierHello):
             self._tier_hello(identity, msg, now)
             return
-        peer = self.peers.seen(identity, now)
-        if peer is None or peer.state is not PeerState.READY or peer.kind != "tier":
-            self.counters["protocol_errors"] += 1
-            self._send("tier", identity, Refused("say hello first"))
+        peer = self._ready_peer("tier", identity, now)
+        if peer is None:
             return
         tier = self.remote_tiers[peer.name]
         if isinstance(msg, TierDoneBatch):
