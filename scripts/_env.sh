@@ -93,4 +93,45 @@ if [ -n "${TIERKV_WITH_ENGINE:-}" ]; then
     fi
     export TIERKV_ENGINE_PYTHON="$EVENV/bin/python" TIERKV_MAIN_PYTHON="$VENV/bin/python"
 fi
+
+# tests/sglang run SGLang's HiCache classes (host pools, storage factory, cache
+# controller) on the CPU in an environment of their own (scripts/sglang-cpu.txt says
+# why): built on first use, rebuilt when pyproject.toml or that file changes.
+# TIERKV_SGLANG_PYTHON is its python.
+if [ -n "${TIERKV_WITH_SGLANG:-}" ]; then
+    SVENV="${TIERKV_SGLANG_VENV:-$ROOT/.venv-sglang}"
+    sreqs="$ROOT/scripts/sglang-cpu.txt"
+    if [ ! -x "$SVENV/bin/python" ]; then
+        py="$(pick_python)"
+        echo "[setup] creating $SVENV with $py (tests/sglang: SGLang's HiCache on the CPU)" >&2
+        "$py" -m venv "$SVENV"
+        echo '*' >"$SVENV/.gitignore"  # git ignores the environment by itself
+    fi
+    sstamp="$SVENV/.tierkv-sglang-installed"
+    swant="$(cat "$ROOT/pyproject.toml" "$sreqs" | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$sstamp" 2>/dev/null)" != "$swant" ]; then
+        spip=("$SVENV/bin/python" -m pip install --disable-pip-version-check -q)
+        echo "[setup] installing SGLang 0.5.23 (no dependency list) and tierkv into $SVENV" \
+            "(about 2.5 GB)" >&2
+        if ! "$SVENV/bin/python" -c 'import torch' 2>/dev/null; then
+            "${spip[@]}" "torch==2.13.0" ||
+                "${spip[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+        fi
+        constraint="$(mktemp)" sdeps="$(mktemp)"
+        "$SVENV/bin/python" -W ignore -c 'import torch; print("torch==" + torch.__version__)' \
+            >"$constraint" 2>/dev/null
+        grep -v '^sglang==' "$sreqs" >"$sdeps"
+        # A rebuild: SGLang out first, so that no resolver below weighs its own (CUDA)
+        # dependency list; it goes back in last.
+        "$SVENV/bin/python" -m pip uninstall --disable-pip-version-check -y -q sglang \
+            2>/dev/null || true
+        "${spip[@]}" -r "$sdeps" -c "$constraint"
+        "${spip[@]}" -e "$ROOT" -c "$constraint"
+        "${spip[@]}" --no-deps "$(grep -m1 '^sglang==' "$sreqs")" -c "$constraint"
+        rm -f "$constraint" "$sdeps"
+        "$SVENV/bin/python" -c 'import sglang, tierkv, pytest' >/dev/null
+        echo "$swant" >"$sstamp"
+    fi
+    export TIERKV_SGLANG_PYTHON="$SVENV/bin/python"
+fi
 export PATH="$VENV/bin:$PATH"
