@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.collector import Collector
 from broker.events import EventRouter, tiers_hold
 from broker.ops import GroupFailed, StepOps, check_fits
 from broker.owners import Owner, OwnerTable
@@ -26,6 +27,7 @@ from broker.peers import Peer, PeerTable
 from broker.registrations import Registrations
 from broker.remote_tier import RemoteTier
 from broker.transfers import Transfer, TransferTracker
+from broker.turns import Turns
 from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadEvent, OffloadKey
 from tierkv.core.loglimit import RateLimitedLog, foreign
@@ -139,6 +141,8 @@ class BrokerCore(PeerLinks):
              "stores_refused", "loads", "transfers_failed", "late_outcomes", "peers_fenced",
              "peer_deaths", "dropped_results", "step_errors", "outcome_errors"), 0
         )
+        self.turns = Turns()  # the loop's (`broker.main`): how long each keeps it busy
+        self.collector = Collector()  # started by the loop: the process's collector
         self.step_ops = StepOps(manager, self.owners, self.events, clock, self.region_id,
                                 self.store, self.load, self.counters)
 
@@ -437,6 +441,8 @@ class BrokerCore(PeerLinks):
             "owners": self.owners.stats(),
             "events": self.events.stats(),
             "transfers_in_flight": len(self.transfers),
+            "turns": self.turns.stats(time.monotonic()),
+            "collector": self.collector.stats(),
             "quarantined_peers": [p.label() for p in self._quarantine.values()],
             "peers": [
                 {"kind": p.kind, "name": p.name, "pid": p.pid, "state": p.state.value,

@@ -4,11 +4,13 @@
                  [--disk-dir DIR] [--s3-endpoint URL] [--trace PATH]
 
 PART is one or more of datapath, disk, s3, control, scaling, policies, or all (the
-default); `peers`, `vllm` and `engine` are opt-in, run only when named (`peers`: tierkv
-beside LMCache and vLLM, in an environment of their own that its first run builds;
-`vllm`: tierkv inside vLLM's scheduler, with vLLM installed; `engine`: a real vLLM
-engine on the CPU with and without tierkv, in the environment `scripts/test` builds
-for tests/engine; see docs/benchmarks.md).
+default); `peers`, `vllm`, `engine` and `engines` are opt-in, run only when named
+(`peers`: tierkv beside LMCache and vLLM, in an environment of their own that its
+first run builds; `vllm`: tierkv inside vLLM's scheduler, with vLLM installed;
+`engine`: a real vLLM engine on the CPU with and without tierkv, in the environment
+`scripts/test` builds for tests/engine; `engines`: 1 to 8 engine processes, vLLM's
+scheduler each, on one broker, and the broker's CPU per engine step; see
+docs/benchmarks.md).
 Each part measures the service against the physical limit next to it,
 in the same run (a plain memcpy, pwrite/dd on the same filesystem, boto3 on the
 same endpoint, the in-process manager, the smallest size), prints its rows as it
@@ -47,10 +49,10 @@ PARTS = {
 }
 # Opt-in parts: run only when named, never by `all`.
 OPT_IN = {"peers": "tierkv.bench.peers", "vllm": "tierkv.bench.vllm",
-          "engine": "tierkv.bench.engine"}
+          "engine": "tierkv.bench.engine", "engines": "tierkv.bench.engines"}
 DEFAULT_BUDGET_S = 180.0
 # Parts whose default budget is not DEFAULT_BUDGET_S (peers builds an environment).
-PART_BUDGETS = {"peers": 1200.0, "vllm": 900.0, "engine": 1800.0}
+PART_BUDGETS = {"peers": 1200.0, "vllm": 900.0, "engine": 1800.0, "engines": 900.0}
 
 
 def build_parser() -> argparse.ArgumentParser:

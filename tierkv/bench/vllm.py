@@ -117,10 +117,16 @@ class Timed:
 
 def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                node: AbstractContextManager[Any], make_engine: Callable[..., Any] | None = None,
-               methods: MethodTimes | None = None) -> Timed:
+               methods: MethodTimes | None = None,
+               before_timed: Callable[[], None] | None = None,
+               after_timed: Callable[[Timed], None] | None = None) -> Timed:
     """Scheduler work per engine step at `workload.requests` running. `make_engine`:
     the harness's `Engine` (scheduler side only) unless a peer's driver brings its own
-    (same signature). `methods`: the manager's calls timed into it while timed."""
+    (same signature). `methods`: the manager's calls timed into it while timed.
+    `before_timed` is called once the warm-up is done, before the first timed step's
+    requests are added, and `after_timed` with the result before the engine is
+    closed: several engine processes on one node line their timed windows up there
+    (`tierkv.bench.engines`)."""
     from tierkv.bench.vllm_engine import Engine, EngineShape
 
     make_engine = make_engine or Engine
@@ -146,6 +152,8 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
             hits_before = admitted = 0
             started: set[str] = set()
             for step in range(workload.warmup + workload.steps):
+                if step == workload.warmup and before_timed is not None:
+                    before_timed()
                 while len(engine.scheduler.requests) < workload.requests:
                     serial += 1
                     own = [50_000 + serial * OWN_TOKENS + i for i in range(OWN_TOKENS)]
@@ -170,8 +178,11 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
             if methods is not None:
                 methods.counting = False
             answered = sum(first.values()) / len(first) if first else 0.0
-            return Timed(times, engine.tokens["external_hits"] - hits_before, admitted,
-                         answered, adds)
+            timed = Timed(times, engine.tokens["external_hits"] - hits_before, admitted,
+                          answered, adds)
+            if after_timed is not None:
+                after_timed(timed)
+            return timed
         finally:
             engine.close()
 
