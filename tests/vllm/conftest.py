@@ -23,9 +23,11 @@ from tierkv.bench.vllm_engine import EngineShape, node_config, tierkv_extra_conf
 
 SHAPE = EngineShape(gpu_blocks=48)
 # Generous: these tests are about what is decided, not how fast, so a loaded machine
-# must not turn an answer into a RETRY or a store into "offered again" (the tests of
-# the budget itself set their own).
-DECIDE = {"budget_ms": 10_000.0, "lookup_wait_ms": 60_000.0, "pending_wait_ms": 60_000.0}
+# must not turn an answer into a RETRY or a store into "offered again", nor a disk
+# that a loaded machine slows into one the load-or-recompute rule leaves (the tests of
+# the budget and of the rule set their own).
+DECIDE = {"budget_ms": 10_000.0, "lookup_wait_ms": 60_000.0, "pending_wait_ms": 60_000.0,
+          "prefill_tokens_per_s": 0.0}
 
 
 def extra_config(node: Node, **more: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from tests.vllm.conftest import SHAPE, extra_config
 from tests.vllm.test_connector import documents, node_stats, serve_rounds
 from tierkv.bench.vllm_engine import Engine
+from tierkv.bench.vllm_setup import STAND_IN_PREFILL_TPS
 
 
 def disk_node(start_node, tmp_path, **cost):
@@ -21,7 +22,9 @@ def test_a_tier_slower_than_the_engine_is_not_waited_for(start_node, tmp_path):
     # 8 documents x 12 blocks: more than the GPU and the CPU tier hold, so later
     # rounds find most of them only on disk, assumed to take a minute a promotion.
     node = disk_node(start_node, tmp_path, load_latency_ms=60_000.0)
-    engine = serve_rounds(Engine(SHAPE, extra_config(node)), documents(8))
+    # The engine computes at a GPU's rate (an 8B model on an H100).
+    engine = serve_rounds(Engine(SHAPE, extra_config(
+        node, prefill_tokens_per_s=STAND_IN_PREFILL_TPS)), documents(8))
     assert engine.mismatches == []
     stats = node_stats(node)
     assert stats["tiers"]["disk"]["slower_than_recompute"] > 0

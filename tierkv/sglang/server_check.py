@@ -137,7 +137,9 @@ def check(model: Path, page_tokens: int, timeout_s: float, work: Path) -> bool:
     server = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
          "--host", "127.0.0.1", "--port", str(port), "--page-size", str(page_tokens),
-         "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+         # Every page backed up at once (the default waits for a page's reuse).
+         "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+         "--hicache-storage-backend", "dynamic",
          "--hicache-storage-backend-extra-config", json.dumps(extra)],
         stdout=log, stderr=subprocess.STDOUT)
     try:
