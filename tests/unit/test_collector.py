@@ -1,5 +1,5 @@
 """The broker's collector: what survives a full collection is frozen, so later
-collections walk only what is new (their pause no longer grows with the node), and
+collections walk only what is new (their pause does not grow with the node), and
 a cycle among frozen objects is still freed at the next thaw."""
 
 from __future__ import annotations
