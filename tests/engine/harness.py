@@ -52,6 +52,13 @@ def node_config(instance: str, run_dir: Path, cpu_blocks: int,
         (run_dir / "disk").mkdir(exist_ok=True)
         tiers.append({"type": "disk", "root": str(run_dir / "disk"),
                       "budget_bytes": disk_blocks * (PAGE + 4096)})
+    return node_config_with_tiers(instance, run_dir, cpu_blocks, tiers)
+
+
+def node_config_with_tiers(instance: str, run_dir: Path, cpu_blocks: int,
+                           tiers: list[dict[str, Any]]) -> Config:
+    """A node with any lower tiers (entries as in a node's config file): a test
+    restarts a node with another set of them (`EngineNode.restart_with`)."""
     return config_from_dict({
         "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
         "cpu": {"num_blocks": cpu_blocks, "page_size": PAGE, "world_size": 1},
@@ -59,21 +66,6 @@ def node_config(instance: str, run_dir: Path, cpu_blocks: int,
                    "owner_share": 1.0},
         "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
         "worker": {"enabled": False},  # vLLM copies its own blocks
-        "tiers": tiers,
-    }, "<tests/engine node>")
-
-
-def node_config_with_tiers(instance: str, run_dir: Path, cpu_blocks: int,
-                           tiers: list[dict[str, Any]]) -> Config:
-    """`node_config` with any lower tiers (entries as in a node's config file): a
-    test restarts a node with another set of them (`EngineNode.restart_with`)."""
-    return config_from_dict({
-        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
-        "cpu": {"num_blocks": cpu_blocks, "page_size": PAGE, "world_size": 1},
-        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
-                   "owner_share": 1.0},
-        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
-        "worker": {"enabled": False},
         "tiers": tiers,
     }, "<tests/engine node>")
 
