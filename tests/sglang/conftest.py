@@ -69,6 +69,7 @@ def start_node(instance, tmp_path_factory) -> Iterator[Callable[..., Any]]:
     """Nodes for SGLang engines: broker and disk tier as real processes, no gpu
     workers (the backend copies its own pages); every node is stopped by pid."""
     from tests.integration.cluster import leftovers
+    from tierkv.bench.engine_nodes import node_config
     from tierkv.node.supervisor import Node
 
     nodes: list[tuple[Any, Path]] = []
@@ -76,7 +77,8 @@ def start_node(instance, tmp_path_factory) -> Iterator[Callable[..., Any]]:
     def start(page_size: int, cpu_blocks: int = 32, disk_blocks: int = 256,
               run_dir: Path | None = None) -> Any:
         run_dir = run_dir or tmp_path_factory.mktemp("run")
-        node = Node(node_config(instance, run_dir, page_size, cpu_blocks, disk_blocks))
+        node = Node(node_config(instance, run_dir, page_size, cpu_blocks, disk_blocks,
+                                label="<sglang test node>"))
         nodes.append((node, run_dir))
         node.start()
         return node
@@ -86,21 +88,3 @@ def start_node(instance, tmp_path_factory) -> Iterator[Callable[..., Any]]:
         node.stop()
     for run_dir in dict.fromkeys(run_dir for _, run_dir in nodes):  # a restart shares one
         assert leftovers(run_dir, instance) == []
-
-
-def node_config(instance: str, run_dir: Path, page_size: int, cpu_blocks: int,
-                disk_blocks: int) -> Any:
-    from tierkv.node.config import config_from_dict
-
-    (run_dir / "disk").mkdir(exist_ok=True)
-    tiers = [{"type": "disk", "root": str(run_dir / "disk"),
-              "budget_bytes": disk_blocks * page_size}] if disk_blocks else []
-    return config_from_dict({
-        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
-        "cpu": {"num_blocks": cpu_blocks, "page_size": page_size, "world_size": 1},
-        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
-                   "owner_share": 1.0},
-        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
-        "worker": {"enabled": False},
-        "tiers": tiers,
-    }, "<sglang test node>")

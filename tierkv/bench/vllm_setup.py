@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierkv.node.config import Config, config_from_dict
+from tierkv.bench.engine_nodes import node_config
 from tierkv.node.supervisor import Node
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before vLLM (and the hub) is imported
@@ -68,32 +68,6 @@ class EngineShape:
     def page_size(self) -> int:
         """Bytes of one GPU block, every layer: a tierkv node's `cpu.page_size`."""
         return self.layers * self.layer_page_bytes
-
-
-def node_config(instance: str, run_dir: Path, page_size: int, cpu_blocks: int,
-                disk_blocks: int = 0, **sections: Any) -> Config:
-    """A tierkv node for vLLM engines of `page_size` bytes per GPU block: no gpu
-    workers (vLLM copies its own blocks), and a disk tier of `disk_blocks` under
-    `run_dir` if that is not 0."""
-    tiers = []
-    if disk_blocks:
-        (run_dir / "disk").mkdir(exist_ok=True)
-        tiers.append({"type": "disk", "root": str(run_dir / "disk"),
-                      "budget_bytes": disk_blocks * page_size})
-    data: dict[str, Any] = {
-        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
-        "cpu": {"num_blocks": cpu_blocks, "page_size": page_size, "world_size": 1},
-        # One engine may hold the whole (small) CPU tier; tests of several engines on
-        # one node set their share.
-        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
-                   "owner_share": 1.0},
-        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
-        "worker": {"enabled": False},
-        "tiers": tiers,
-    }
-    for name, value in sections.items():
-        data[name] = {**data[name], **value} if isinstance(data.get(name), dict) else value
-    return config_from_dict(data, "<vllm engine node>")
 
 
 @contextmanager
