@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from tests.integration.cluster import leftovers
+from tierkv.bench.engine_nodes import node_config as engine_node_config
 from tierkv.client import Client
 from tierkv.core.shm import SharedRegion
 from tierkv.demo.vllm_process import EngineConfig, EngineProcess, ModelShape, tierkv_transfer
 from tierkv.demo.vllm_workload import Round
-from tierkv.node.config import Config, config_from_dict
+from tierkv.node.config import Config
 from tierkv.node.lifecycle import wait_ready
 from tierkv.node.supervisor import Node
 
@@ -59,15 +60,8 @@ def node_config_with_tiers(instance: str, run_dir: Path, cpu_blocks: int,
                            tiers: list[dict[str, Any]]) -> Config:
     """A node with any lower tiers (entries as in a node's config file): a test
     restarts a node with another set of them (`EngineNode.restart_with`)."""
-    return config_from_dict({
-        "instance": instance, "run_dir": str(run_dir), "log_level": "warning",
-        "cpu": {"num_blocks": cpu_blocks, "page_size": PAGE, "world_size": 1},
-        "broker": {"heartbeat_s": 0.5, "tick_ms": 2.0, "job_timeout_s": 10.0,
-                   "owner_share": 1.0},
-        "supervisor": {"ready_timeout_s": 30.0, "stop_timeout_s": 10.0},
-        "worker": {"enabled": False},  # vLLM copies its own blocks
-        "tiers": tiers,
-    }, "<tests/engine node>")
+    return engine_node_config(instance, run_dir, PAGE, cpu_blocks, label="<tests/engine node>",
+                              tiers=tiers)
 
 
 class EngineNode:
