@@ -406,7 +406,8 @@ class BrokerCore(PeerLinks):
             # A worker that may still write (or read) these rows: not yet.
             self._held_blocks.setdefault(holder, []).append((transfer.kind, transfer.keys))
         elif transfer.kind == "store":
-            self.manager.complete_store(transfer.keys, transfer.success)
+            self.owners.complete_store(self.owners.get(transfer.client), transfer.keys,
+                                       transfer.success)
         else:
             self.manager.complete_load(transfer.keys)
 

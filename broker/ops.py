@@ -152,6 +152,7 @@ class StepOps:
                     errors.append(OpError(name, i, ErrorCode.BAD_REQUEST.value, str(e)))
 
         owners = self.owners
+        owners.arrivals.name(owner, msg.scope)
         if msg.region and msg.region != self.region_id:
             self._refuse_stale_commits(owner, sections, msg.region, out)
         if "commit" in sections:
@@ -182,6 +183,9 @@ class StepOps:
             scoped = owner.scope(req_id)
             manager.finish(scoped)
             self.contexts.pop(scoped, None)
+        arrivals = owners.arrivals.count(owner)
+        if arrivals is not None:
+            out["arrivals"] = arrivals
         return out
 
     # -- sections ------------------------------------------------------------------------

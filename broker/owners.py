@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from broker.arrivals import Arrivals
 from tierkv.core.errors import ErrorCode
 from tierkv.core.keys import OffloadKey
 from tierkv.core.tiering import TieringManager
@@ -71,6 +72,8 @@ class Owner:
     next_due: float = float("inf")  # the earliest deadline of its reservations and pins
     prefix: str = ""  # of every request id it scopes
     named_requests: bool = False  # whether it ever did: if not, its end scans nothing
+    key_scope: bytes | None = None  # the scope of keys it names (`broker.arrivals`)
+    own_arrivals: int = 0  # keys under `key_scope` its stores brought to the CPU tier
 
     def __post_init__(self) -> None:
         self.prefix = f"{self.number}{SCOPE}"
@@ -90,6 +93,7 @@ class OwnerTable:
                  reservation_s: float, pin_s: float, quota_blocks: int,
                  on_end: Callable[[Owner], None] = lambda owner: None) -> None:
         self.manager = manager
+        self.arrivals = Arrivals(manager)  # what each owner's replies count
         self.owner_timeout_s = owner_timeout_s
         self.reservation_s = reservation_s
         self.pin_s = pin_s
@@ -155,7 +159,7 @@ class OwnerTable:
         live = [k for k in dict.fromkeys(keys) if k in owner.reservations]
         late = [k for k in dict.fromkeys(keys) if k in owner.withdrawn]
         if live:
-            self.manager.complete_store(live, ok)
+            self.complete_store(owner, live, ok)
             for key in live:
                 del owner.reservations[key]
         if late:
@@ -199,8 +203,15 @@ class OwnerTable:
         if freed:
             primary.complete_store(freed, False)
         if stored:
-            self.manager.complete_store(stored, True)
+            self.complete_store(owner, stored, True)
         return out
+
+    def complete_store(self, owner: Owner | None, keys: list[OffloadKey], ok: bool) -> None:
+        """The manager's, with what it brought to the node counted (`arrivals`) as the
+        owner's own (None: a store no live client made)."""
+        changed = self.manager.complete_store(keys, ok)
+        if ok and changed:
+            self.arrivals.stored(owner, changed)
 
     # -- pins ------------------------------------------------------------------------
 
@@ -288,6 +299,7 @@ class OwnerTable:
         if self._owners.pop(owner.identity, None) is None:
             return
         self.counters["owners_ended"] += 1
+        self.arrivals.forget(owner)
         primary = self.manager.primary
         aborted = [*owner.reservations, *owner.withdrawn.values()]
         if owner.reservations:

@@ -167,6 +167,10 @@ class RemoteTier(SecondaryTier):
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def arrivals(self) -> int | None:
+        return self.index.arrivals
+
     # -- peers ---------------------------------------------------------------------
 
     def on_hello(self, identity: bytes, hello: TierHello) -> None:
@@ -181,7 +185,7 @@ class RemoteTier(SecondaryTier):
         peer = self._peers.get(identity)
         if peer is None:
             return
-        self.index.add(keys)
+        self.index.learn(keys)
         if last:
             peer.ready = True
             log.info("tier %s: process %d ready with %d blocks", self.name, peer.pid,

@@ -179,6 +179,8 @@ class Batch:
         modes = [bool(e) for e in lookups.extra] if lookups is not None else []
         if any(modes) and not all(modes):  # some groups per key, others a leading run
             fields["lookup_modes"] = bytes(modes)
+        if self._client.scope:
+            fields["scope"] = self._client.scope
         if lookups is not None and self._client.prefill_tps:
             fields["prefill_tps"] = self._client.prefill_tps
             fields["key_tokens"] = self._client.key_tokens
@@ -265,7 +267,9 @@ class _Answers:
         hits = self._array("hits", "i")
         state = self._array("state", "B")
         if not any(section.extra) and not self.batch._pin and not self.r.slower:
-            return [Lookup(h, s != 0, s == 2) for h, s in zip(hits, state, strict=True)]
+            arrivals = self.r.arrivals
+            return [Lookup(h, s != 0, s == 2, arrivals=arrivals)
+                    for h, s in zip(hits, state, strict=True)]
         return [self._lookup(i, section) for i in range(len(hits))]
 
     def _array(self, field_name: str, typecode: str) -> list[int]:
@@ -329,9 +333,10 @@ class _Answers:
             rows = self._array("rows", "i")[a:b]
         slower = self._slower(index) if self.r.slower else None
         if rows is None:
-            return Lookup(hits, state != 0, state == 2, statuses, sources, slower=slower)
+            return Lookup(hits, state != 0, state == 2, statuses, sources, slower=slower,
+                          arrivals=self.r.arrivals)
         return Lookup(hits, state != 0, state == 2, statuses, sources, rows, self.r.region,
-                      self.r.pin_s, slower)
+                      self.r.pin_s, slower, self.r.arrivals)
 
     def _slower(self, index: int) -> dict[str, int] | None:
         tiers = self.r.tiers

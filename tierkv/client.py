@@ -149,6 +149,10 @@ class Client:
         # What recomputing costs this engine, sent with its lookups (`recompute_rate`).
         self.prefill_tps = 0.0
         self.key_tokens = 0
+        # The prefix of every key this client names (its namespace), sent with each
+        # request: replies count what arrived under it (`Lookup.arrivals`). Empty:
+        # every key of the node.
+        self.scope = b""
         self._connect()
 
     @classmethod

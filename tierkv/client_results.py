@@ -25,6 +25,9 @@ class Lookup:
     # Per tier: leading keys it holds that were not promoted, loading them being
     # expected to take longer than recomputing them (see `Client.recompute_rate`).
     slower: dict[str, int] | None = None
+    # The reply's `OpsResult.arrivals`: while it does not move, a miss here stays one
+    # (when it was said, not what was answered: not compared).
+    arrivals: int = field(default=-1, compare=False)
 
     def __repr__(self) -> str:
         extra = "".join(f", {name}={getattr(self, name)!r}"

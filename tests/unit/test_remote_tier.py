@@ -49,3 +49,36 @@ def test_a_tier_whose_breaker_is_open_answers_lookups_as_misses_at_once():
     assert tier.lookup(b"k") is False
     tier.on_stats(b"t1", {"breaker": "closed"})
     assert tier.lookup(b"k") is True
+
+
+def test_a_tier_counts_the_keys_it_reports_that_the_node_did_not_store_there():
+    """A key a client was told is a miss becomes a hit when a client stores it or a
+    tier comes to hold it otherwise (a tier process back with its inventory, another
+    node's store in a shared tier's listing): the tier counts the second kind, each
+    key once, and not its own stores, which the node counts itself."""
+    now = [0.0]
+    sent: list[tuple[bytes, object]] = []
+    tier = RemoteTier("disk", lambda ident, msg: sent.append((ident, msg)) or True,
+                      lambda: now[0])
+    tier.on_hello(b"t1", TierHello("disk", "disk", pid=1))
+    tier.on_inventory(b"t1", [b"a", b"b"], last=True)
+    assert tier.arrivals == 2
+    tier.on_credit(b"t1", 8)
+    tier.submit_store(Job(1, (b"c",), (0,), JobKind.STORE))
+    tier.dispatch()
+    tier.on_done(b"t1", TierDoneBatch([JobResult(1, True, successful_keys=(b"c",))], credit=1))
+    assert tier.lookup(b"c") is True and tier.arrivals == 2  # the node's own store
+    tier.on_inventory(b"t1", [b"a", b"d"], last=True)  # more of a listing: one new key
+    assert tier.arrivals == 3
+
+
+def test_a_shared_tier_without_a_listing_cannot_count_what_arrives():
+    """Another node's store into a shared tier that does not list it is found only by
+    asking, so such a tier has no count: a miss of its keys may be a hit unseen."""
+    tier = RemoteTier("s3", lambda ident, msg: True, lambda: 0.0)
+    tier.on_hello(b"t1", TierHello("s3", "s3", pid=1, shared=True))
+    assert tier.arrivals is None
+    listed = RemoteTier("s3", lambda ident, msg: True, lambda: 0.0)
+    listed.on_hello(b"t1", TierHello("s3", "s3", pid=1, shared=True, refresh_s=30.0))
+    listed.on_inventory(b"t1", [b"a"], last=True)
+    assert listed.arrivals == 1

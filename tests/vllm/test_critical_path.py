@@ -231,10 +231,10 @@ def queued_lookups(m, steps: int, other: Client) -> int:
 
 def test_a_queued_request_is_looked_up_again_only_as_its_answers_expire(start_node,
                                                                        engine_on):
-    """Kept answered while it waits, a queued request costs a lookup each time its
-    answers expire, and its misses serve as long as its hits (`QUEUED_STEPS`): a
-    lookup every few steps, not one a step. A hit among them is still a hit when
-    vLLM asks."""
+    """Kept answered while it waits, a queued request of an engine that hears nothing
+    else from the broker (it stores nothing) costs a lookup each time its answers
+    expire, and its misses serve as long as its hits (`QUEUED_STEPS`): a lookup every
+    few steps, not one a step. A hit among them is still a hit when vLLM asks."""
     from vllm.v1.kv_offload.base import LookupResult
 
     node = start_node(cpu_blocks=256)
@@ -253,6 +253,70 @@ def test_a_queued_request_is_looked_up_again_only_as_its_answers_expire(start_no
     with m.lock:
         assert [m.lookup(k, ctx) for k in keys[:3]] == [LookupResult.HIT] * 2 + [
             LookupResult.MISS]
+        m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins
+
+
+def busy_queued_lookups(m, steps: int, other: Client, seed: int) -> int:
+    """`queued_lookups` of an engine that stores a block of another request at each
+    step (a busy engine's: it hears from the broker every step)."""
+    looked_up = 0
+    for step, key in enumerate(chunk_keys(steps, seed=seed)):
+        stored(m, [key], req_id=f"busy{step}")
+        looked_up += queued_lookups(m, 1, other)
+    return looked_up
+
+
+def test_a_queued_request_s_misses_are_kept_while_nothing_arrives_at_the_node(
+        start_node, engine_on):
+    """A miss turns into a hit only when a block arrives at the node, and every reply
+    says how many arrived other than by this engine's own stores: while that count
+    does not move, a busy engine keeps a waiting request's misses (and its hits while
+    their pins hold) without asking again, however many steps it waits."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=256)
+    m = manager_of(engine_on(node, sync_lookups=0))
+    keys = chunk_keys(4, seed=12)
+    stored(m, keys[:2])
+    ctx = request("kept", keys)
+    with m.lock:
+        m.prefetch(ctx)
+    looked_up_ahead(m)
+    end_step(m)  # its answers taken: two hits, then misses
+    with Client.from_config(node.config) as other:
+        assert busy_queued_lookups(m, 4 * HIT_STEPS, other, seed=112) == 0
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys[:3]] == [LookupResult.HIT] * 2 + [
+            LookupResult.MISS]
+        m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins
+
+
+def test_a_queued_request_finds_what_another_engine_stored_while_it_waited(start_node,
+                                                                            engine_on):
+    """Another engine of the same model stores the blocks a waiting request missed:
+    the count of arrivals moves, the waiting request's misses are looked up again
+    within a few steps, and vLLM's ask finds them hits (loaded, not computed)."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    node = start_node(cpu_blocks=256)
+    m, writer = (manager_of(engine_on(node, sync_lookups=0)) for _ in range(2))
+    keys = chunk_keys(4, seed=13)
+    stored(m, keys[:2])
+    ctx = request("finds", keys)
+    with m.lock:
+        m.prefetch(ctx)
+    looked_up_ahead(m)
+    end_step(m)
+    with Client.from_config(node.config) as other:
+        assert busy_queued_lookups(m, HIT_STEPS, other, seed=113) == 0
+        stored(writer, keys[2:], req_id="elsewhere")
+        assert busy_queued_lookups(m, 2 * HIT_STEPS, other, seed=114) >= 1
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
         m.on_request_finished(ctx)
     settle(m)
     assert not m.holdings.pins

@@ -281,8 +281,10 @@ class TieringManager(LoadOrRecompute):
             self._forget_origin(out.evicted_keys)
         return out
 
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        """End a store from the GPU. Keys being promoted are not the caller's to end."""
+    def complete_store(self, keys: Iterable[OffloadKey],
+                       success: bool = True) -> list[OffloadKey]:
+        """End a store from the GPU; returns the keys it ended (`PrimaryTier`'s). Keys
+        being promoted are not the caller's to end."""
         keys = list(keys)
         promoting = [k for k in keys if k in self._promoting]
         if promoting:
@@ -292,6 +294,16 @@ class TieringManager(LoadOrRecompute):
         changed = self.primary.complete_store(keys, success)
         if success and changed:
             self._queue_cascade(changed, source=None)
+        return changed
+
+    @property
+    def arrivals(self) -> int | None:
+        """Keys the secondary tiers came to hold since they started other than by
+        this node's stores (`SecondaryTier.arrivals`); None when one cannot tell.
+        With clients' stores (`broker.arrivals`), the only way a key no tier held
+        becomes a hit."""
+        found = [t.arrivals for t in self.tiers]
+        return None if None in found else sum(found)  # type: ignore[arg-type]
 
     def prepare_load(self, keys: Sequence[OffloadKey], req_id: ReqId = None) -> list[int]:
         return self.prepare_load_from(keys, req_id)[0]

@@ -109,6 +109,12 @@ class SecondaryTier(ABC):
         return 0
 
     @property
+    def arrivals(self) -> int | None:
+        """Keys the tier came to hold other than by the node's stores, counted since
+        it started (`TierIndex.arrivals`); None when it cannot tell."""
+        return None
+
+    @property
     def store_backlog(self) -> int:
         """Keys submitted for storing whose results were not handed out yet."""
         return 0

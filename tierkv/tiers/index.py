@@ -8,6 +8,10 @@ unknown key is a miss and no lookup waits. Without a listing, an unknown key is
 queued for an asynchronous `exists` check, looks unknown meanwhile (the manager
 checks only the first such key of a request), and a negative answer is cached for
 `negative_ttl` seconds so a miss does not cost a request every step.
+
+`arrivals` counts the keys the index learned other than by the node's own stores
+(inventory, found by a check): with the node's stores, what can turn a key a
+client was told is a miss into a hit (see `TieringManager.arrivals`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class TierIndex:
         self._negative: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> expiry
         self._checking: set[OffloadKey] = set()
         self._to_check: list[OffloadKey] = []
+        self._learned = 0  # keys it came to hold other than by the node's stores
 
     def lookup(self, key: OffloadKey) -> bool | None:
         """True/False, or None while an existence check is queued or running."""
@@ -68,14 +73,31 @@ class TierIndex:
         for key in asked:
             self._checking.discard(key)
             if key in found:
+                self._learned += key not in self.present
                 self.present.add(key)
             else:
                 self._mark_negative(key)
 
     def add(self, keys: Iterable[OffloadKey]) -> None:
+        """Keys the node stored into the tier."""
         for key in keys:
             self.present.add(key)
             self._negative.pop(key, None)
+
+    def learn(self, keys: Iterable[OffloadKey]) -> None:
+        """Keys the tier reports holding that the node did not store there (its
+        inventory: a tier process's own at hello, other nodes' stores in a shared
+        tier's listing)."""
+        keys = [k for k in keys if k not in self.present]
+        self._learned += len(keys)
+        self.add(keys)
+
+    @property
+    def arrivals(self) -> int | None:
+        """Keys learned so far (`learn`, or found by a check); None for a shared tier
+        without a listing, where another node's store is found only by asking (a key
+        answered a miss may be there unseen)."""
+        return None if self.shared and not self.refreshed else self._learned
 
     def discard(self, keys: Iterable[OffloadKey]) -> None:
         """The tier no longer holds the keys (evicted, failed to load, deleted)."""

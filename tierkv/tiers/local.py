@@ -118,6 +118,10 @@ class LocalTier(SecondaryTier):
         return len(self._jobs)
 
     @property
+    def arrivals(self) -> int | None:
+        return self.index.arrivals
+
+    @property
     def store_backlog(self) -> int:
         return self._store_backlog
 

@@ -24,6 +24,8 @@ still hold.
 Every reply names the broker's CPU region, new at each broker start: the link keeps
 the last one (`region`) and when it last heard from the broker (`heard_at`), so the
 manager can tell that rows it holds from before belong to a broker that is gone.
+It keeps the last reply's count of arrivals (`OpsResult.arrivals`) too: while that
+has not moved, a miss the manager was told is still one.
 
 Everything here runs on the thread that holds the manager's lock.
 """
@@ -97,6 +99,7 @@ class BrokerLink:
         self._out: deque[Call] = deque()  # sent, not answered, oldest first
         self._late: list[Call] = []
         self.region = ""  # the broker's CPU region, as its last reply named it
+        self.arrivals = -1  # `OpsResult.arrivals`, as its last reply said it
         self.heard_at = 0.0  # when a reply last came (monotonic)
         # At start, not in a step: the first calls find the connection up (one that
         # is not sends nothing and the manager goes on without the broker a while).
@@ -177,6 +180,7 @@ class BrokerLink:
         region = _region_of(reply)
         if region:
             self.region = region
+            self.arrivals = _arrivals_of(reply.result)
 
     def _lost(self) -> None:
         """The oldest call had no reply within the client's timeout: it and every call
@@ -199,3 +203,9 @@ def _region_of(reply: Any) -> str:
         region = result.get("region", "")
         return region if isinstance(region, str) else ""
     return ""
+
+
+def _arrivals_of(result: Any) -> int:
+    """An `ops` reply's `OpsResult.arrivals` (-1: not said)."""
+    arrivals = result.arrivals if isinstance(result, OpsResult) else result.get("arrivals", -1)
+    return arrivals if type(arrivals) is int else -1

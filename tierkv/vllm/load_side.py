@@ -27,9 +27,11 @@ class LoadSide(ManagerState):
             rows = [-1] * len(chunks)
         else:  # what the chunks' lookups said, claimed (list comprehensions, in C)
             answers = [state.answers.pop(c, None) for c in chunks]
+            state.covered = False
             rows = [state.rows.pop(c, -1) for c in chunks]
         # The load's region: its first hit's (a hit of another is no row of this job).
-        region = next((a.region for a in answers if a is not None and a.region), "")
+        region = next((a.region for a in answers
+                       if a is not None and a.status is LookupResult.HIT and a.region), "")
         if (chunks and min(rows) >= 0 and hits_in(answers, region)
                 and loading.keys().isdisjoint(chunks)):  # the common case
             loading.update(zip(chunks, ([pin] for pin in self.keymap.keys(chunks)), strict=True))

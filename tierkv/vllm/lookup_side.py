@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
@@ -176,16 +177,20 @@ class LookupSide(ManagerState):
             return
         stale: list[tuple[RequestLookups, set[bytes]]] = []
         chains = []
-        for ctx in self._queue_head().values():
-            state = self._state(ctx)
+        requests = self._requests
+        for req_id, ctx in islice(self._queued.items(), self.options.prefetch_requests):
+            state = requests.get(req_id) or self._state(ctx)
             if state.tiered:
                 continue  # looked up again, it would start promotions for it again
+            if state.covered and (not stored_now or stored_now.isdisjoint(state.ahead_keys)):
+                continue  # answered, and none of its keys stored now: the common case
             answers = state.answers
             ahead = self._chains_ahead(state)
             if stored_now and not stored_now.isdisjoint(state.ahead_keys):
                 forget_misses(state)  # a miss of it may be one this engine just stored
             if answers.keys() >= state.ahead_keys:
-                continue  # every key answered (the common case: a subset test in C)
+                state.covered = True  # every key answered (a subset test in C)
+                continue
             # Keys of its last look-up still on their way are not asked twice.
             coming = state.coming if state.prefetch is not None and not state.prefetch.done \
                 else ()

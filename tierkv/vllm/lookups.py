@@ -22,9 +22,13 @@ is asked again at each step's end whose answers for it expire, until vLLM asks
 about it (vLLM does only once it has room for it), and an answer for it that comes
 back a step late still serves: its next ask finds one. A queued request's answers
 that are not hits serve longer (`QUEUED_STEPS`); a miss among them for a key this
-engine has seen stored since is looked up again when vLLM asks. Its hits, while it
-is at the queue's head, are kept without asking again as long as the broker surely
-holds their pins (`PIN_TRUSTED` of `broker.pin_s`, which the reply says).
+engine has seen stored since is looked up again when vLLM asks. While it is at the
+queue's head, its hits are kept without asking again as long as the broker surely
+holds their pins (`PIN_TRUSTED` of `broker.pin_s`, which the reply says), and its
+misses as long as nothing arrived in its namespace since they were answered (the
+reply's `OpsResult.arrivals`, which counts the keys of the namespace the node came to
+hold other than by this engine's stores; this engine's own are `_stored_now`), said
+by a reply of the last `QUEUED_STEPS` steps.
 
 Full-attention groups are looked up as leading runs (the broker stops promoting at
 the first key no tier holds); a model with a sliding-window group is looked up key
@@ -74,6 +78,9 @@ class Answer:
     source: str | None = None
     region: str = ""
     held_until: float = 0.0  # CLOCK_MONOTONIC: the broker holds its pin at least till then
+    # A miss: the reply's `OpsResult.arrivals` (-1: unknown, or not a miss that stays
+    # one while nothing arrives).
+    arrivals: int = -1
 
 
 @dataclass(slots=True)
@@ -94,6 +101,10 @@ class RequestLookups:
     tiered: bool = False  # an answer of it was RETRY or HIT_PENDING: a tier holds a key
     ahead: Any = None  # its chains to look up before vLLM asks, once made
     ahead_keys: frozenset[bytes] = frozenset()  # the keys of `ahead`
+    # Every key of `ahead` has an answer, as `_refresh_queue_head` last saw: whatever
+    # drops an answer (or changes `ahead`) clears it, so a queue of answered requests
+    # is checked in a flag a request, not a set test.
+    covered: bool = False
     expires: int = NEVER  # none of its answers expires before this step
 
 
@@ -179,6 +190,7 @@ def forget_misses(state: RequestLookups) -> dict[bytes, Answer]:
     up again: one of them went stale. Returns them."""
     answers = state.answers
     dropped = {c: a for c, a in answers.items() if a.status is not LookupResult.HIT}
+    state.covered = state.covered and not dropped
     for chunk in dropped:
         del answers[chunk]
     return dropped
@@ -233,6 +245,9 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
     shared: dict[tuple[str, str | None], Answer] = {}
     held = until if hits_until is None else hits_until
     held_until = asked_at + found.pin_s * PIN_TRUSTED
+    # A miss stays one while nothing arrives at the node; not one of a key a slower
+    # tier holds (whether to promote it is weighed again at each lookup).
+    arrivals = found.arrivals if found.region and not found.slower else -1
 
     def answer(name: str, source: str | None = None) -> Answer:
         # Keyed by the status's name: an enum member's hash is a Python call.
@@ -240,7 +255,16 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
         if found_answer is None:
             found_answer = shared[name, source] = (
                 Answer(LookupResult.HIT, held, source, found.region, held_until)
-                if name == "hit" else Answer(STATUS[name], until))
+                if name == "hit" else
+                Answer(LookupResult.MISS, until, region=found.region, arrivals=arrivals)
+                if name == "miss" else Answer(STATUS[name], until))
+        return found_answer
+
+    def unpinned() -> Answer:
+        # A hit whose pin was refused: present, so no miss that stays one.
+        found_answer = shared.get(("unpinned", None))
+        if found_answer is None:
+            found_answer = shared["unpinned", None] = Answer(LookupResult.MISS, until)
         return found_answer
 
     rows = found.rows or [-1] * len(chain)
@@ -254,7 +278,7 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
         else:
             answers, pinned = {}, {}
             for chunk, row in zip(lead, lead_rows, strict=True):
-                answers[chunk] = answer("hit" if row >= 0 else "miss")
+                answers[chunk] = answer("hit") if row >= 0 else unpinned()
                 if row >= 0:
                     pinned[chunk] = row
         if hits < len(chain):
@@ -268,5 +292,5 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
             answers[chunk] = answer("hit", source)
             pinned[chunk] = row
         else:
-            answers[chunk] = answer("miss" if status == "hit" else status)
+            answers[chunk] = unpinned() if status == "hit" else answer(status)
     return answers, pinned

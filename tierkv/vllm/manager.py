@@ -119,6 +119,8 @@ class TierkvOffloadingManager(LookupSide, LoadSide, StoreSide, ResetSide):
         self._requeue(context.preempted_req_ids)
         head = self._queue_head()
         now = time.monotonic()
+        arrivals = self._arrivals_now(step)
+        region = self.spares.region
         for req_id, state in self._requests.items():
             if state.expires > step:
                 continue
@@ -126,17 +128,23 @@ class TierkvOffloadingManager(LookupSide, LoadSide, StoreSide, ResetSide):
             # it, often steps later: until then its answers are kept fresh.
             deferred = req_id not in self._queued and self._deferred(state)
             waiting = req_id in head
-            expired = []
-            for chunk, answer in state.answers.items():
+            # An answer is its reply's, shared by its chunks (a few a request): each is
+            # judged once, and the chunks are walked only if one of them expired.
+            answers = state.answers.values()
+            gone = set()
+            for answer in dict(zip(map(id, answers), answers, strict=True)).values():
                 if answer.until > step:
                     continue
-                # (A hit's answer is its reply's: extending it extends its siblings',
-                # which the same test would extend.)
-                if waiting and answer.held_until > now and answer.region == self.spares.region:
-                    answer.until = step + QUEUED_STEPS  # its pin holds: no need to ask
-                    continue
-                expired.append(chunk)
+                # A hit while its pin holds, a miss while nothing arrived at the node
+                # since: no need to ask.
+                if waiting and answer.region == region and (
+                        answer.held_until > now or answer.arrivals == arrivals >= 0):
+                    answer.until = step + QUEUED_STEPS
+                else:
+                    gone.add(id(answer))
+            expired = [c for c, a in state.answers.items() if id(a) in gone] if gone else []
             self._unpin(state, expired)
+            state.covered = state.covered and not expired
             for chunk in expired:
                 del state.answers[chunk]
                 if deferred:
@@ -162,6 +170,14 @@ class TierkvOffloadingManager(LookupSide, LoadSide, StoreSide, ResetSide):
         self._flush_waited = False
         self._idle = False
 
+    def _arrivals_now(self, step: int) -> int:
+        """The broker's count of arrivals (`OpsResult.arrivals`) if it said it in the
+        last `QUEUED_STEPS` steps (a miss serves that long after its answer), else -1:
+        an engine that stopped hearing from the broker looks its misses up again."""
+        if self.link.heard_at != self._heard_at:
+            self._heard_at, self._heard_step = self.link.heard_at, step
+        return self.link.arrivals if step - self._heard_step < QUEUED_STEPS else -1
+
     def _requeue(self, preempted: Iterable[str]) -> None:
         """vLLM puts a request it preempts back at the head of its queue, and scans it
         again once it has room: it is kept answered as a queued one is."""
@@ -171,6 +187,7 @@ class TierkvOffloadingManager(LookupSide, LoadSide, StoreSide, ResetSide):
             if state is not None:
                 state.asked = False
                 state.ahead = None  # it has more keys now
+                state.covered = False
                 state.pending_since = None
                 front[req_id] = state.ctx
         if front:

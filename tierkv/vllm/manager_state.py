@@ -66,6 +66,7 @@ class ManagerState(OffloadingManager):
         self.enable_events = enable_events
         self.generation = 0
         self.keymap = KeyMap(identity.namespace(0))
+        client.scope = self.keymap.prefix  # replies count what arrives in the namespace
         self.rounds = Rounds(client, options.budget_ms, options.retry_s, self._take_lookups,
                              self._take_step, options.spare_rows, self._not_stored)
         self.spares = self.rounds.spares
@@ -84,6 +85,7 @@ class ManagerState(OffloadingManager):
         self._fenced: list[list[bytes]] = []  # pins of loads in flight at a reset
         self._fenced_writes: list[list[bytes]] = []  # reservations in flight at a reset
         self._step = 0
+        self._heard_at, self._heard_step = 0.0, 0  # the last reply, and the step it came by
         self._sync_left = options.sync_lookups
         self._flush_waited = False  # this step waited for the end-of-step answers
         self._idle = False

@@ -33,9 +33,11 @@ class ResetSide(ManagerState):
         for state in self._requests.values():  # keyed with this generation's keymap
             self._unpin(state, list(state.rows))
             state.answers.clear()
+            state.covered = False
             state.asks.clear()
         self.generation += 1
         self.keymap = KeyMap(self.identity.namespace(self.generation))
+        self.link.client.scope = self.keymap.prefix
         self._fenced.extend(k for loading in self._loading.values()
                             for k in loading.values())
         self._loading.clear()

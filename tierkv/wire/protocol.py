@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.core.errors import ErrorCode
-from tierkv.core.keys import OffloadEvent
+from tierkv.core.keys import MAX_KEY_LEN, OffloadEvent
 from tierkv.tiers.base import Job, JobResult
 from tierkv.wire.codec import (
     MAX_KEYS,
@@ -206,6 +206,9 @@ class OpsRequest(Message):
     # covers. 0: not said (the broker's `prefill_tokens_per_s`, or every load goes).
     prefill_tps: float = 0.0
     key_tokens: int = 0
+    # The prefix every key of this client's starts with (an engine's namespace; empty:
+    # every key): the reply's `arrivals` counts the keys that came under it.
+    scope: bytes = b""
 
     def check(self) -> None:
         for name, values, limit in (("contexts", self.contexts, MAX_CONTEXTS),
@@ -221,6 +224,9 @@ class OpsRequest(Message):
         if not 0 <= self.key_tokens <= MAX_KEY_TOKENS:
             raise BadRequest(f"ops.key_tokens: must be 0..{MAX_KEY_TOKENS}, got "
                              f"{self.key_tokens}")
+        if len(self.scope) > MAX_KEY_LEN:
+            raise BadRequest(f"ops.scope: {len(self.scope)} bytes exceeds the limit of "
+                             f"{MAX_KEY_LEN} (a key's)")
         if len(self.region) > MAX_REGION_LEN:  # a generation is "pid.start time"
             raise BadRequest(f"ops.region: {len(self.region)} characters exceeds the limit "
                              f"of {MAX_REGION_LEN}")
@@ -331,6 +337,12 @@ class OpsResult:
     # step or poll (its queue holds `broker.events.MAX_QUEUED_KEYS` keys, the oldest
     # go first): the engine's view of the tiers has that many holes.
     events_dropped: int = 0
+    # In every reply: the keys under the request's `scope` the node came to hold
+    # other than by this client's own stores (another client's, found in a tier), or
+    # -1 when a tier cannot tell (a shared one without a listing); `broker.arrivals`.
+    # A key under it this client was told is a miss, and has not stored since, is
+    # still a miss while this has not moved and `region` is the same.
+    arrivals: int = -1
 
 
 LOOKUP_STATUSES = ("miss", "hit", "pending", "retry")
