@@ -39,7 +39,7 @@ class Arrivals:
         self._manager = manager
         self._counts: dict[bytes, int] = {}  # scope -> keys clients' stores brought
         self._named: Counter[bytes] = Counter()  # scope -> live clients naming it
-        self._lengths: Counter[int] = Counter()  # the scopes' lengths, per scope
+        self._lengths: Counter[int] = Counter()  # length -> named scopes that long
 
     def name(self, owner: Owner, scope: bytes) -> None:
         """The scope `owner`'s request named (most name the same one every time)."""
