@@ -268,6 +268,29 @@ def busy_queued_lookups(m, steps: int, other: Client, seed: int) -> int:
     return looked_up
 
 
+def queued_half_stored(m, req_id: str, seed: int):
+    """A request of four chunks, the first two of which `m` stored, added (looked up
+    ahead) and waiting in vLLM's queue, its answers taken: two hits, then misses."""
+    keys = chunk_keys(4, seed=seed)
+    stored(m, keys[:2])
+    ctx = request(req_id, keys)
+    with m.lock:
+        m.prefetch(ctx)
+    looked_up_ahead(m)
+    end_step(m)
+    return keys, ctx
+
+
+def scanned_as(m, keys, ctx, expected) -> None:
+    """vLLM scans the request at last, its answers `expected`; it finishes, and the
+    engine lets go of every pin."""
+    with m.lock:
+        assert [m.lookup(k, ctx) for k in keys] == expected
+        m.on_request_finished(ctx)
+    settle(m)
+    assert not m.holdings.pins
+
+
 def test_a_queued_request_s_misses_are_kept_while_nothing_arrives_at_the_node(
         start_node, engine_on):
     """A miss turns into a hit only when a block arrives at the node, and every reply
@@ -278,21 +301,10 @@ def test_a_queued_request_s_misses_are_kept_while_nothing_arrives_at_the_node(
 
     node = start_node(cpu_blocks=256)
     m = manager_of(engine_on(node, sync_lookups=0))
-    keys = chunk_keys(4, seed=12)
-    stored(m, keys[:2])
-    ctx = request("kept", keys)
-    with m.lock:
-        m.prefetch(ctx)
-    looked_up_ahead(m)
-    end_step(m)  # its answers taken: two hits, then misses
+    keys, ctx = queued_half_stored(m, "kept", seed=12)
     with Client.from_config(node.config) as other:
         assert busy_queued_lookups(m, 4 * HIT_STEPS, other, seed=112) == 0
-    with m.lock:
-        assert [m.lookup(k, ctx) for k in keys[:3]] == [LookupResult.HIT] * 2 + [
-            LookupResult.MISS]
-        m.on_request_finished(ctx)
-    settle(m)
-    assert not m.holdings.pins
+    scanned_as(m, keys[:3], ctx, [LookupResult.HIT] * 2 + [LookupResult.MISS])
 
 
 def test_a_queued_request_finds_what_another_engine_stored_while_it_waited(start_node,
@@ -304,22 +316,12 @@ def test_a_queued_request_finds_what_another_engine_stored_while_it_waited(start
 
     node = start_node(cpu_blocks=256)
     m, writer = (manager_of(engine_on(node, sync_lookups=0)) for _ in range(2))
-    keys = chunk_keys(4, seed=13)
-    stored(m, keys[:2])
-    ctx = request("finds", keys)
-    with m.lock:
-        m.prefetch(ctx)
-    looked_up_ahead(m)
-    end_step(m)
+    keys, ctx = queued_half_stored(m, "finds", seed=13)
     with Client.from_config(node.config) as other:
         assert busy_queued_lookups(m, HIT_STEPS, other, seed=113) == 0
         stored(writer, keys[2:], req_id="elsewhere")
         assert busy_queued_lookups(m, 2 * HIT_STEPS, other, seed=114) >= 1
-    with m.lock:
-        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
-        m.on_request_finished(ctx)
-    settle(m)
-    assert not m.holdings.pins
+    scanned_as(m, keys, ctx, [LookupResult.HIT] * 4)
 
 
 def queued_with_hits(node, engine_on, req_id: str, seed: int):
