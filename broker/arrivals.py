@@ -15,7 +15,9 @@ namespace moves a client's count, one in another namespace does not, and its own
 never does (it knows what it stored).
 
 A scope lives while a live client names it: counts are as many as clients, and a
-scope's count never starts again under a client that was told it.
+scope's count never starts again under a client that was told it. A reply's value
+also carries the client's number (`OWNER_SHIFT`), so a client that reconnects (a
+new owner, its own stores counted from 0) is never told a value it was told before.
 
 Socket-free, on the broker's one thread.
 """
@@ -30,6 +32,8 @@ from tierkv.core.keys import OffloadKey
 if TYPE_CHECKING:
     from broker.owners import Owner
     from tierkv.core.tiering import TieringManager
+
+OWNER_SHIFT = 40  # a reply's value: the owner's number above, the count below
 
 
 class Arrivals:
@@ -81,4 +85,5 @@ class Arrivals:
         found = self._manager.arrivals
         if found is None or owner.key_scope is None:
             return None
-        return self._counts[owner.key_scope] - owner.own_arrivals + found
+        count = self._counts[owner.key_scope] - owner.own_arrivals + found
+        return (owner.number << OWNER_SHIFT) + count

@@ -337,9 +337,10 @@ class OpsResult:
     # step or poll (its queue holds `broker.events.MAX_QUEUED_KEYS` keys, the oldest
     # go first): the engine's view of the tiers has that many holes.
     events_dropped: int = 0
-    # In every reply: the keys under the request's `scope` the node came to hold
-    # other than by this client's own stores (another client's, found in a tier), or
-    # -1 when a tier cannot tell (a shared one without a listing); `broker.arrivals`.
+    # In every reply: a count of the keys under the request's `scope` the node came
+    # to hold other than by this client's own stores (another client's, found in a
+    # tier), one a reconnected client never saw before; or -1 when a tier cannot
+    # tell (a shared one without a listing). See `broker.arrivals`.
     # A key under it this client was told is a miss, and has not stored since, is
     # still a miss while this has not moved and `region` is the same.
     arrivals: int = -1
