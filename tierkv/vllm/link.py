@@ -177,10 +177,9 @@ class BrokerLink:
 
     def _heard(self, reply: Any) -> None:
         self.heard_at = time.monotonic()
-        region = _region_of(reply)
+        region, arrivals = _said(reply)
         if region:
-            self.region = region
-            self.arrivals = _arrivals_of(reply.result)
+            self.region, self.arrivals = region, arrivals
 
     def _lost(self) -> None:
         """The oldest call had no reply within the client's timeout: it and every call
@@ -194,18 +193,14 @@ class BrokerLink:
             call._end(None, error, self._late)
 
 
-def _region_of(reply: Any) -> str:
-    """The CPU region an `ops` reply names ("" for a refusal, which names none)."""
+def _said(reply: Any) -> tuple[str, int]:
+    """The CPU region an `ops` reply names and its count of arrivals
+    (`OpsResult.arrivals`); ("", -1) for a refusal, which says neither."""
     result = getattr(reply, "result", None)
     if isinstance(result, OpsResult):
-        return result.region
+        return result.region, result.arrivals
     if isinstance(result, dict):
-        region = result.get("region", "")
-        return region if isinstance(region, str) else ""
-    return ""
-
-
-def _arrivals_of(result: Any) -> int:
-    """An `ops` reply's `OpsResult.arrivals` (-1: not said)."""
-    arrivals = result.arrivals if isinstance(result, OpsResult) else result.get("arrivals", -1)
-    return arrivals if type(arrivals) is int else -1
+        region, arrivals = result.get("region", ""), result.get("arrivals", -1)
+        return (region if isinstance(region, str) else "",
+                arrivals if type(arrivals) is int else -1)
+    return "", -1

@@ -177,9 +177,8 @@ class LookupSide(ManagerState):
             return
         stale: list[tuple[RequestLookups, set[bytes]]] = []
         chains = []
-        requests = self._requests
-        for req_id, ctx in islice(self._queued.items(), self.options.prefetch_requests):
-            state = requests.get(req_id) or self._state(ctx)
+        for ctx in islice(self._queued.values(), self.options.prefetch_requests):
+            state = self._state(ctx)
             if state.tiered:
                 continue  # looked up again, it would start promotions for it again
             if state.covered and (not stored_now or stored_now.isdisjoint(state.ahead_keys)):

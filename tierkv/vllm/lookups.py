@@ -62,6 +62,7 @@ PIN_TRUSTED = 0.5
 NEVER = 1 << 62  # a step no engine reaches
 STATUS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
           "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
+UNPINNED = "unpinned"  # `read_answers`: a hit whose pin was refused (a miss, present)
 # Answers that defer the request: asked again at the step's end.
 AGAIN = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 
@@ -257,14 +258,10 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
                 Answer(LookupResult.HIT, held, source, found.region, held_until)
                 if name == "hit" else
                 Answer(LookupResult.MISS, until, region=found.region, arrivals=arrivals)
-                if name == "miss" else Answer(STATUS[name], until))
-        return found_answer
-
-    def unpinned() -> Answer:
-        # A hit whose pin was refused: present, so no miss that stays one.
-        found_answer = shared.get(("unpinned", None))
-        if found_answer is None:
-            found_answer = shared["unpinned", None] = Answer(LookupResult.MISS, until)
+                if name == "miss" else
+                # A hit whose pin was refused: present, so no miss that stays one.
+                Answer(LookupResult.MISS, until) if name == UNPINNED
+                else Answer(STATUS[name], until))
         return found_answer
 
     rows = found.rows or [-1] * len(chain)
@@ -278,7 +275,7 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
         else:
             answers, pinned = {}, {}
             for chunk, row in zip(lead, lead_rows, strict=True):
-                answers[chunk] = answer("hit") if row >= 0 else unpinned()
+                answers[chunk] = answer("hit" if row >= 0 else UNPINNED)
                 if row >= 0:
                     pinned[chunk] = row
         if hits < len(chain):
@@ -292,5 +289,5 @@ def read_answers(chain: Sequence[bytes], found: Lookup | None, until: int,
             answers[chunk] = answer("hit", source)
             pinned[chunk] = row
         else:
-            answers[chunk] = unpinned() if status == "hit" else answer(status)
+            answers[chunk] = answer(UNPINNED if status == "hit" else status)
     return answers, pinned
