@@ -65,3 +65,31 @@ def test_a_method_calling_another_counts_as_the_one_call_vllm_made():
     lines = report(times, MethodTimes(), steps=2)
     ms = f"{times.seconds['touch'] / 2 * 1e3:.3f}"
     assert lines[1].replace(" ", "") == f"touch{ms}(0.5)|0.000(0.0)"  # per step, of 2
+
+
+def test_a_step_s_calls_are_its_own_and_the_gap_is_split_step_by_step():
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tierkv.bench.vllm_methods import MethodTimes, paired
+
+    timed = manager()
+    times = MethodTimes()
+    times.attach(timed)
+    times.counting = True
+    ctx, keys = ReqContext(req_id="r"), chunk_keys(2)
+    timed.lookup(keys[0], ctx)  # before the step (an add's): not the step's
+    times.begin_step()
+    timed.lookup(keys[0], ctx)
+    times.end_step()
+    times.begin_step()
+    times.end_step()
+    assert len(times.per_step) == 2 and times.per_step[1] == 0.0
+    assert 0 < times.per_step[0] < times.seconds["lookup"]
+
+    ours, theirs = MethodTimes(), MethodTimes()
+    ours.per_step, theirs.per_step = [3e-3, 1e-3, 2e-3], [1e-3, 1e-3, 1e-3]
+    line = paired([9e-3, 5e-3, 7e-3], ours, [5e-3, 5e-3, 4e-3], theirs)
+    # Differences: steps 4, 0, 3 ms (median 3); calls 2, 0, 1 (median 1); the rest
+    # 2, 0, 2 (median 2), which is not the difference of the two medians.
+    assert "step +3.000 ms" in line and "manager calls +1.000 ms" in line
+    assert "the rest +2.000 ms" in line

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.common import Options, Part, Row, Stat, ratio
-from tierkv.bench.vllm_methods import MethodTimes, report
+from tierkv.bench.vllm_methods import MethodTimes, paired, report
 
 OVERHEAD_GOAL = 1.0
 ANSWERED_GOAL = 0.95
@@ -164,7 +164,12 @@ def step_times(make_extra: Callable[[Any], dict[str, Any]], workload: Workload,
                     first.clear()
                     if methods is not None:
                         methods.counting = True
+                timing = methods if methods is not None and methods.counting else None
+                if timing is not None:
+                    timing.begin_step()
                 engine.step()
+                if timing is not None:
+                    timing.end_step()
                 # Outside the timed calls: which requests run for the first time.
                 for req in engine.scheduler.running:
                     if req.request_id not in started:
@@ -530,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     print(o.spread())
     if o.our_methods is not None and o.their_methods is not None:
         print("\n".join(report(o.our_methods, o.their_methods, workload.steps * args.repeats)))
+        print(paired(o.our_steps, o.our_methods, o.their_steps, o.their_methods))
     env = peer_env_or_reason()
     if isinstance(env, str):
         print(env)
