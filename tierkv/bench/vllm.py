@@ -199,13 +199,8 @@ def _freeze_startup_heap() -> None:
     """What vLLM's engine core does once it is built (`freeze_gc_heap`): everything
     alive now is left out of the collector's passes, so its full collections walk
     only what the steps made, as in a served engine."""
-    try:
-        from vllm.utils.gc_utils import freeze_gc_heap
-    except ImportError:  # a vLLM without it: the same by hand
-        gc.collect()
-        gc.freeze()
-    else:
-        freeze_gc_heap()
+    gc.collect()
+    gc.freeze()
 
 
 def _first_answers(connector: Any) -> dict[str, bool]:
